@@ -1,0 +1,5 @@
+"""`python -m gwtf` == `gwtf`."""
+
+from gwtf.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""Command-line entry point: `gwtf <command> ...`.
+
+Owns: argument parsing and the mapping of user errors to one line on stderr + exit code 2.
+Each subcommand lives in `gwtf.commands.<name>` with two functions:
+`add_arguments(parser)` and `run(args) -> int`. The CLI stays thin: algorithm knobs are config
+fields (`--config FILE`, `--set section.key=value`), not flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from gwtf import __version__
+from gwtf.errors import UserError
+
+# name -> one-line help. Order is the order shown in `gwtf --help`.
+COMMANDS: dict[str, str] = {
+    "demo": "run a local swarm demo with churn on embedded defaults",
+    "train": "train a model (--local: one process, the reference trainer)",
+    "data": "prepare and inspect data sets (gwtf data prepare shakespeare)",
+    "route": "build a routing instance and compare gwtf's flow routing with the optimum and baselines",
+    "simulate": "run a geo-distributed churn scenario in the discrete-event simulator",
+    "node": "run one node process (relay or data holder) over TCP",
+    "swarm": "start a local swarm of node processes on loopback",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"gwtf: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gwtf", description="Churn-tolerant decentralized training of LLMs.")
+    parser.add_argument("--version", action="version", version=f"gwtf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, help_text in COMMANDS.items():
+        module_name = f"gwtf.commands.{name}"
+        if importlib.util.find_spec(module_name) is None:
+            continue  # command not built yet
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The two config flags every config-driven command takes."""
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
+    parser.add_argument(
+        "--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+        help="override one config value (repeatable), e.g. --set train.lr=3e-4",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        sys.stderr.write(f"gwtf: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("gwtf: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""The one config system: frozen dataclasses, TOML files, `--set section.key=value` overrides.
+
+Owns: every config section of the project and the generic loader that fills them from plain
+dicts with strict checks (unknown keys and wrong types are errors naming the key).
+Layering: defaults < TOML file < `--set` overrides. Must not import anything from gwtf except
+`errors`.
+
+Other dataclass trees (e.g. simulator scenarios) reuse `from_dict` / `to_dict` / `apply_overrides`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from gwtf.errors import UserError
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """Which model to train and how it is cut into stages."""
+
+    family: Literal["gpt", "llama"] = "gpt"  # gpt: learned pos, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA
+    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "tiny"
+    seq_len: int = 128  # tokens per sequence (context length)
+    microbatch_size: int = 8  # sequences per microbatch
+    stages: int = 3  # pipeline stages incl. stage 0 (embedding + head, on data holders)
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 2, "model.seq_len", "must be >= 2")
+        _require(self.microbatch_size >= 1, "model.microbatch_size", "must be >= 1")
+        _require(self.stages >= 2, "model.stages", "must be >= 2 (stage 0 plus at least one relay stage)")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "shakespeare"  # "shakespeare", "synthetic", or a path to a text file / folder
+    tokenizer: Literal["bpe", "byte"] = "bpe"
+    vocab_size: int = 2048  # BPE vocabulary size (byte tokenizer: fixed 256 + specials)
+    cache_dir: str = ""  # "" = $GWTF_CACHE or ~/.cache/gwtf
+    val_fraction: float = 0.02
+    synthetic_bytes: int = 400_000  # size of the generated synthetic corpus
+
+    def __post_init__(self) -> None:
+        _require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260")
+        _require(0.0 <= self.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
+        _require(self.synthetic_bytes >= 10_000, "data.synthetic_bytes", "must be >= 10000")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Iteration semantics (DESIGN.md section 3) and the optimizer."""
+
+    seed: int = 0
+    data_holders: int = 2  # D: each owns a disjoint data shard
+    microbatches: int = 4  # M: microbatches per data holder per iteration
+    iterations: int = 200
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iterations: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    torch_threads: int = 0  # 0 = torch default
+    checkpoint_every: int = 50  # iterations; 0 = only at the end
+    time_limit_s: float = 0.0  # stop after this much wall time; 0 = no limit
+
+    def __post_init__(self) -> None:
+        _require(self.data_holders >= 1, "train.data_holders", "must be >= 1")
+        _require(self.microbatches >= 1, "train.microbatches", "must be >= 1")
+        _require(self.iterations >= 0, "train.iterations", "must be >= 0")
+        _require(self.lr > 0, "train.lr", "must be > 0")
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """The root of the config tree."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# Generic loader
+# --------------------------------------------------------------------------------------------
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise UserError(f"config: {key} {why}")
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin in (tuple, list):
+        return f"list of {_type_name(get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against annotation `tp`; return it (ints widen to floats, lists to tuples)."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UserError(f"config: {key} must be a table, got {type(value).__name__}")
+        return from_dict(tp, value, prefix=key)  # type: ignore[arg-type]
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise UserError(f"config: {key} must be one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in get_args(tp):
+            if arg is type(None) and value is None:
+                return None
+        for arg in get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except UserError:
+                continue
+        raise UserError(f"config: {key} must be {_type_name(tp)}, got {value!r}")
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"config: {key} must be a {_type_name(tp)}, got {type(value).__name__}")
+        args = get_args(tp)
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"config: {key} must be a bool, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"config: {key} must be an int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"config: {key} must be a float, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise UserError(f"config: {key} must be a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise UserError(f"config: {key} has unsupported value {value!r}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass `cls` from a plain dict; unknown keys and wrong types raise UserError."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise UserError(f"config: unknown key {full!r}")
+        kwargs[key] = _coerce(value, hints[key], full)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """Plain-dict view of a config dataclass (tuples become lists), suitable for TOML/JSON."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        return v
+
+    out = conv(obj)
+    assert isinstance(out, dict)
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `section.key=value`; the value is read as TOML, or as a bare string if that fails."""
+    if "=" not in text:
+        raise UserError(f"--set {text!r}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    keys = [k.strip() for k in path.strip().split(".")]
+    if not all(keys):
+        raise UserError(f"--set {text!r}: empty key")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return keys, value
+
+
+def merge_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `--set` overrides to a nested dict (copy-on-write at each touched level)."""
+    out = dict(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = out
+        for k in keys[:-1]:
+            child = node.get(k, {})
+            if not isinstance(child, dict):
+                raise UserError(f"--set {text!r}: {k!r} is not a section")
+            child = dict(child)
+            node[k] = child
+            node = child
+        node[keys[-1]] = value
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file; a missing or malformed file is a UserError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"config file {p} is not valid TOML: {exc}") from None
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, cls: type[T] = Config  # type: ignore[assignment]
+) -> T:
+    """defaults < TOML file < overrides -> a validated frozen config of type `cls`."""
+    data = read_toml(path) if path else {}
+    data = merge_overrides(data, overrides or [])
+    return from_dict(cls, data)
+
+
+def dump_toml(obj: Any) -> str:
+    """Serialise a config dataclass to TOML (tables for nested sections)."""
+    data = to_dict(obj)
+    lines: list[str] = []
+
+    def scalar(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(scalar(x) for x in v) + "]"
+        if v is None:
+            return '""'
+        raise TypeError(f"cannot write {v!r} to TOML")
+
+    def emit(table: dict[str, Any], prefix: str) -> None:
+        plain = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        nested = {k: v for k, v in table.items() if isinstance(v, dict)}
+        if prefix and plain:
+            lines.append(f"[{prefix}]")
+        for k, v in plain.items():
+            lines.append(f"{k} = {scalar(v)}")
+        if plain:
+            lines.append("")
+        for k, v in nested.items():
+            emit(v, f"{prefix}.{k}" if prefix else k)
+
+    emit(data, "")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_resolved(obj: Any, out_dir: str | Path, name: str = "config.resolved.toml") -> Path:
+    """Write the resolved config next to a run's outputs."""
+    p = Path(out_dir) / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(dump_toml(obj), encoding="utf-8")
+    return p

@@ -1,0 +1,12 @@
+"""User-facing errors.
+
+Owns: `UserError`, the one exception type for mistakes a user can cause (bad config, bad path,
+bad scenario, corrupt checkpoint). The CLI turns it into one line on stderr and exit code 2.
+Must not import anything from gwtf.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line, exit code 2, never a traceback."""

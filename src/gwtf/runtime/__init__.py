@@ -1,0 +1,1 @@
+"""The real runtime: wire codec, asyncio transport, node process, local launcher."""
