@@ -92,12 +92,28 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeConfig:
+    """The real runtime's wire and transport limits (docs/wire.md)."""
+
+    max_frame_bytes: int = 256 * 2**20  # hard cap on one frame (header + tensors)
+    connect_timeout_s: float = 5.0  # TCP connect + swarm-secret handshake
+    request_timeout_s: float = 30.0  # default deadline of one send
+    secret_file: str = ""  # "" = $GWTF_SWARM_SECRET, else the public dev secret (warning)
+
+    def __post_init__(self) -> None:
+        _require(self.max_frame_bytes >= 2**16, "runtime.max_frame_bytes", "must be >= 65536")
+        _require(self.connect_timeout_s > 0, "runtime.connect_timeout_s", "must be > 0")
+        _require(self.request_timeout_s > 0, "runtime.request_timeout_s", "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """The root of the config tree."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 # --------------------------------------------------------------------------------------------
