@@ -81,6 +81,8 @@ class TrainConfig:
     torch_threads: int = 0  # 0 = torch default
     checkpoint_every: int = 50  # iterations; 0 = only at the end
     time_limit_s: float = 0.0  # stop after this much wall time; 0 = no limit
+    eval_every: int = 25  # iterations between validation-loss evaluations; 0 = only at the end
+    eval_microbatches: int = 4  # fixed validation microbatches per evaluation
 
     def __post_init__(self) -> None:
         _require(self.data_holders >= 1, "train.data_holders", "must be >= 1")
@@ -89,6 +91,8 @@ class TrainConfig:
         _require(self.lr > 0, "train.lr", "must be > 0")
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        _require(self.eval_every >= 0, "train.eval_every", "must be >= 0")
+        _require(self.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
