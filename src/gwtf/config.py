@@ -103,11 +103,51 @@ class RuntimeConfig:
     connect_timeout_s: float = 5.0  # TCP connect + swarm-secret handshake
     request_timeout_s: float = 30.0  # default deadline of one send
     secret_file: str = ""  # "" = $GWTF_SWARM_SECRET, else the public dev secret (warning)
+    torch_threads: int = 1  # torch threads per node process (several nodes share a machine); 0 = torch default
+    status_period_s: float = 0.5  # how often a node rewrites DIR/nodes/<id>/status.json
+    ready_timeout_s: float = 90.0  # launcher: deadline for a node's READY line
+    wan: str = ""  # "" = no WAN emulation; else a network name (e.g. "geo10") whose delays are emulated
+    fault: str = ""  # fault injection for chaos tests, e.g. "kill:forward:iter=2:mb=1" (docs/runtime.md)
 
     def __post_init__(self) -> None:
         _require(self.max_frame_bytes >= 2**16, "runtime.max_frame_bytes", "must be >= 65536")
+        _require(self.torch_threads >= 0, "runtime.torch_threads", "must be >= 0")
+        _require(self.status_period_s > 0, "runtime.status_period_s", "must be > 0")
+        _require(self.ready_timeout_s > 0, "runtime.ready_timeout_s", "must be > 0")
         _require(self.connect_timeout_s > 0, "runtime.connect_timeout_s", "must be > 0")
         _require(self.request_timeout_s > 0, "runtime.request_timeout_s", "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlowConfig:
+    """The decentralized flow protocol's knobs (PAPER.md 3.3, docs/flow-protocol.md)."""
+
+    tick_s: float = 1.0  # period of every node's flow tick (requests, annealing, checks)
+    advert_interval_s: float = 0.2  # least gap between two cost advertisements of one node
+    request_timeout_s: float = 5.0  # a reservation with no answer by then counts as refused
+    request_tries: int = 4  # next hops one node tries for a reservation before refusing upstream
+    max_pending_requests: int = 4  # data holder: reservations in progress at once
+    anneal_probability: float = 0.5  # chance per tick that a relay starts an annealing move
+    anneal_t0_s: float = 0.05  # initial temperature, in seconds of route cost
+    anneal_cooling: float = 0.95  # T <- cooling * T after every accepted move
+    anneal_min_t_s: float = 1e-4  # below this only strictly improving moves are proposed
+    anneal_reheat: float = 0.5  # on crash / join / link change: T <- max(T, reheat * T0)
+    cooldown_ticks: int = 5  # a same-stage peer just interacted with is left alone this long
+    stable_s: float = 2.0  # a flow changed more recently than this is not offered for moves
+    check_every_ticks: int = 10  # consistency check of every flow with its neighbours
+    tombstone_s: float = 30.0  # how long a node forwards notices about a flow it handed over
+
+    def __post_init__(self) -> None:
+        _require(self.tick_s > 0, "flow.tick_s", "must be > 0")
+        _require(self.advert_interval_s >= 0, "flow.advert_interval_s", "must be >= 0")
+        _require(self.request_timeout_s > 0, "flow.request_timeout_s", "must be > 0")
+        _require(self.request_tries >= 1, "flow.request_tries", "must be >= 1")
+        _require(self.max_pending_requests >= 1, "flow.max_pending_requests", "must be >= 1")
+        _require(0.0 <= self.anneal_probability <= 1.0, "flow.anneal_probability", "must be in [0, 1]")
+        _require(self.anneal_t0_s >= 0, "flow.anneal_t0_s", "must be >= 0")
+        _require(0.0 < self.anneal_cooling <= 1.0, "flow.anneal_cooling", "must be in (0, 1]")
+        _require(self.cooldown_ticks >= 0, "flow.cooldown_ticks", "must be >= 0")
+        _require(self.check_every_ticks >= 1, "flow.check_every_ticks", "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,6 +158,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
 
 # --------------------------------------------------------------------------------------------
