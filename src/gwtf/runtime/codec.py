@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import struct
 import types
 import typing
@@ -151,16 +150,18 @@ def _scalar(tp: type, decode: bool) -> Conv:
     return conv
 
 
-def _any(v: Any, path: str) -> Any:
-    """A value under `Any`: any nesting of the allowed wire types (lists decode to tuples)."""
+def _any(v: Any, path: str, depth: int = 0) -> Any:
+    """A value under `Any`: a nesting (max depth 16) of the wire types; lists decode to tuples."""
+    if depth > 16:
+        raise WireError(f"field {path!r} nested too deep")
     if v is None or type(v) in (bool, float, str, bytes):
         return v
     if type(v) is int:
         return _scalar(int, True)(v, path)
     if isinstance(v, (list, tuple)):
-        return tuple(_any(x, f"{path}[{i}]") for i, x in enumerate(v))
+        return tuple(_any(x, path, depth + 1) for x in v)
     if isinstance(v, dict):
-        return {_any(k, path): _any(x, f"{path}[{k!r}]") for k, x in v.items()}
+        return {_any(k, path, depth + 1): _any(x, path, depth + 1) for k, x in v.items()}
     raise _bad(path)
 
 
@@ -272,10 +273,15 @@ class _FieldSpec:
         return {n: conv(raw[n], n) for n, conv in self.dec.items()}
 
 
-@functools.cache
+_SPECS: dict[type[Message], _FieldSpec] = {}
+
+
 def field_spec(cls: type[Message]) -> _FieldSpec:
     """The compiled field converters of a message class (cached)."""
-    return _FieldSpec(cls)
+    spec = _SPECS.get(cls)
+    if spec is None:
+        spec = _SPECS[cls] = _FieldSpec(cls)
+    return spec
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +311,7 @@ def _tensor_views(tensors: Sequence[np.ndarray], limits: Limits) -> tuple[list[d
         if pad:
             views.append(bytes(pad))
         if wire.nbytes:
-            views.append(memoryview(wire.reshape(-1).view(np.uint8)))
+            views.append(memoryview(wire.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
         offset += pad + wire.nbytes
         descs.append({"dtype": name, "shape": list(arr.shape), "nbytes": int(wire.nbytes)})
     return descs, views

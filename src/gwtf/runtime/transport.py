@@ -114,9 +114,9 @@ class _Connection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         reason = f"connection lost ({exc})" if exc else "connection closed by peer"
-        if self._peer is not None and self._role == "client":
-            reason = "handshake refused by peer (wrong swarm secret?)"
-        _settle(self.ready, ConnectionError(reason if self.authenticated else f"{reason} during handshake"))
+        refused = self._peer is not None and self._role == "client"  # we sent our proof, peer hung up
+        why = "handshake refused by peer (wrong swarm secret?)" if refused else f"{reason} during handshake"
+        _settle(self.ready, ConnectionError(why))
         if self._drain_waiter is not None:
             _settle(self._drain_waiter, ConnectionError(reason))
         if not self.closed.done():
