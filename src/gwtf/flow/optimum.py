@@ -1,0 +1,442 @@
+"""The central optimum: max flow, then min-max route cost, then min sum (DESIGN.md section 4).
+
+Owns: `optimum(instance) -> OptimumResult`, `max_flow_value`, and `lower_bound_max_route_cost_s`.
+
+Method (docs/routing.md has the argument):
+- Nodes with the same (stage, region, compute_s) are interchangeable for the cost model, so the
+  search runs on these *classes* (capacities summed) and routes are split back onto nodes at the end.
+- Max flow F: every relay may serve every data holder and consecutive stages are fully connected,
+  so the multi-commodity "return to your own DH" constraint does not bind the flow: F is the
+  single-commodity max flow (= the min over stages of total capacity). Computed with OR-Tools
+  SimpleMaxFlow on the layered class graph with node splitting.
+- Heuristic (any size): cheapest-route-first on the residual class graph (a layered DP over all data
+  holders at once), then local improvement of the most expensive route: swap one stage's class with
+  another route, or move it to a class with spare capacity, while the pair's max drops.
+- Exact (small instances): enumerate class paths no dearer than the heuristic's max (pruned with an
+  exact cost-to-go), bisect the cost cap over their sorted costs with a CP-SAT feasibility model
+  (integer path multiplicities, class capacities, total = F), then minimise the sum under the cap.
+- Certified lower bound: per stage, the smallest cap t whose classes with cheapest-route-through <= t
+  hold >= F capacity; the max over stages is <= the optimum (exact runs report the optimum itself).
+
+Must not import torch, asyncio, socket, threading or time (wall time is measured by callers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from ortools.graph.python import max_flow
+from ortools.sat.python import cp_model
+
+from gwtf.flow.instance import Instance, Route, RouteStats, evaluate_routes
+from gwtf.protocol.base import NodeId
+
+EXACT_MAX_NODES = 60
+EXACT_PATH_LIMIT = 20_000
+_COST_SCALE = 1e6  # CP-SAT objective in microseconds
+_EPS = 1e-12
+
+ClassPath = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OptimumResult:
+    """Routes and their scores; `wall_s` is filled in by callers and left out of equality."""
+
+    routes: list[Route]
+    stats: RouteStats
+    lower_bound_max_route_cost_s: float
+    method: str  # "exact-cpsat" | "heuristic" | "empty"
+    wall_s: float = field(default=0.0, compare=False)
+
+
+# ---- the class graph ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassGraph:
+    """Interchangeable-node classes per stage, their capacities and class-to-class edge costs.
+
+    `cost[k][a, b]` is d(class a of stage k, class b of stage k+1); `cost[S-1]` closes the cycle
+    (last relay class -> data-holder class). A class path p costs sum_k cost[k][p[k], p[k+1 mod S]].
+    """
+
+    members: tuple[tuple[tuple[NodeId, ...], ...], ...]  # [stage][class] -> node ids
+    capacity: tuple[np.ndarray, ...]  # [stage] -> int64 per class
+    cost: tuple[np.ndarray, ...]  # [k] -> float64 (n_k, n_{k+1 mod S})
+
+    @property
+    def stages(self) -> int:
+        return len(self.members)
+
+    def path_cost(self, path: ClassPath) -> float:
+        s = self.stages
+        return float(sum(self.cost[k][path[k], path[(k + 1) % s]] for k in range(s)))
+
+
+def _node_limit(instance: Instance, nid: NodeId) -> int:
+    spec = instance.by_id[nid]
+    return min(spec.demand, spec.capacity) if spec.is_data_holder else spec.capacity
+
+
+def class_graph(instance: Instance) -> ClassGraph:
+    """Group nodes by (stage, region, compute_s); nodes with zero limit are dropped."""
+    members: list[tuple[tuple[NodeId, ...], ...]] = []
+    caps: list[np.ndarray] = []
+    for stage_ids in instance.by_stage:
+        groups: dict[tuple[str, float], list[NodeId]] = {}
+        for nid in stage_ids:
+            if _node_limit(instance, nid) > 0:
+                spec = instance.by_id[nid]
+                groups.setdefault((spec.region, spec.compute_s), []).append(nid)
+        members.append(tuple(tuple(g) for g in groups.values()))
+        caps.append(np.array([sum(_node_limit(instance, n) for n in g) for g in groups.values()], np.int64))
+    s = instance.stages
+    cost = []
+    for k in range(s):
+        nxt = members[(k + 1) % s]
+        cost.append(np.array(
+            [[instance.edge_cost_s(a[0], b[0]) for b in nxt] for a in members[k]], dtype=np.float64,
+        ).reshape(len(members[k]), len(nxt)))
+    return ClassGraph(tuple(members), tuple(caps), tuple(cost))
+
+
+def split_to_routes(instance: Instance, graph: ClassGraph, groups: dict[ClassPath, int]) -> list[Route]:
+    """Hand each class path's multiplicity to concrete nodes of its classes, in id order."""
+    residual = {nid: _node_limit(instance, nid) for stage in graph.members for cls in stage for nid in cls}
+    cursor: dict[tuple[int, int], int] = {}
+    routes: list[Route] = []
+    for path in sorted(groups):
+        for _ in range(groups[path]):
+            route = []
+            for k, c in enumerate(path):
+                ids = graph.members[k][c]
+                i = cursor.get((k, c), 0)
+                while residual[ids[i]] == 0:
+                    i += 1
+                cursor[(k, c)] = i
+                residual[ids[i]] -= 1
+                route.append(ids[i])
+            routes.append(tuple(route))
+    return routes
+
+
+# ---- max flow and the lower bound ---------------------------------------------------------------
+
+
+def max_flow_value(instance: Instance) -> int:
+    """Exact max number of routes: single-commodity max flow on the layered graph (node splitting)."""
+    return _max_flow(class_graph(instance))
+
+
+def _max_flow(graph: ClassGraph) -> int:
+    if any(len(m) == 0 for m in graph.members):
+        return 0
+    mf = max_flow.SimpleMaxFlow()
+    base = [2]  # node 0 = source, 1 = sink; class (k, c) -> in = base[k] + 2c, out = in + 1
+    for m in graph.members:
+        base.append(base[-1] + 2 * len(m))
+    big = int(sum(graph.capacity[0])) + 1
+    for k, caps in enumerate(graph.capacity):
+        for c, cap in enumerate(caps):
+            mf.add_arc_with_capacity(base[k] + 2 * c, base[k] + 2 * c + 1, int(cap))
+            if k == 0:
+                mf.add_arc_with_capacity(0, base[k] + 2 * c, big)
+            if k == graph.stages - 1:
+                mf.add_arc_with_capacity(base[k] + 2 * c + 1, 1, big)
+            else:
+                for d in range(len(graph.members[k + 1])):
+                    mf.add_arc_with_capacity(base[k] + 2 * c + 1, base[k + 1] + 2 * d, big)
+    if mf.solve(0, 1) != mf.OPTIMAL:
+        raise RuntimeError("OR-Tools max flow did not reach optimality")
+    return int(mf.optimal_flow())
+
+
+def _forward(graph: ClassGraph, masks: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """fwd[k][d, j]: cheapest cost from DH class d to class j of stage k >= 1, with back-pointers.
+
+    `masks[k]` is added per class (0 or inf) to shut saturated classes.
+    """
+    fwd = [np.zeros(0), graph.cost[0] + masks[0][:, None] + masks[1][None, :]]
+    back = [np.zeros(0), np.zeros(0)]
+    for k in range(1, graph.stages - 1):
+        t = fwd[k][:, :, None] + graph.cost[k][None, :, :]
+        back.append(t.argmin(axis=1))
+        fwd.append(t.min(axis=1) + masks[k + 1][None, :])
+    return fwd, back
+
+
+def _cheapest_through(graph: ClassGraph) -> list[np.ndarray]:
+    """m[k][c]: cost of the cheapest route through class c of stage k (capacities ignored)."""
+    s = graph.stages
+    zero = [np.zeros(len(m)) for m in graph.members]
+    fwd, _ = _forward(graph, zero)
+    bwd = [np.zeros(0)] * s  # bwd[k][d, j]: cheapest from class j of stage k back to DH class d
+    bwd[s - 1] = graph.cost[s - 1].T.copy()
+    for k in range(s - 2, 0, -1):
+        bwd[k] = (graph.cost[k][None, :, :] + bwd[k + 1][:, None, :]).min(axis=2)
+    through = [(fwd[1] + bwd[1]).min(axis=1)]  # per DH class: its cheapest cycle
+    through += [(fwd[k] + bwd[k]).min(axis=0) for k in range(1, s)]
+    return through
+
+
+def lower_bound(graph: ClassGraph, flow: int) -> float:
+    """Bottleneck bound: max over stages of the least t such that classes with m <= t hold >= flow."""
+    if flow == 0:
+        return 0.0
+    bound = 0.0
+    for through, caps in zip(_cheapest_through(graph), graph.capacity):
+        order = np.argsort(through, kind="stable")
+        reach = np.cumsum(caps[order])
+        bound = max(bound, float(through[order][int(np.searchsorted(reach, flow))]))
+    return bound
+
+
+def lower_bound_max_route_cost_s(instance: Instance) -> float:
+    """A certified lower bound on the optimum's max route cost, seconds."""
+    graph = class_graph(instance)
+    return lower_bound(graph, _max_flow(graph))
+
+
+# ---- heuristic: cheapest route first, then improve the most expensive route --------------------
+
+
+def _cheapest_route(graph: ClassGraph, residual: list[np.ndarray]) -> ClassPath | None:
+    s = graph.stages
+    masks = [np.where(r > 0, 0.0, np.inf) for r in residual]
+    fwd, back = _forward(graph, masks)
+    total = fwd[s - 1] + graph.cost[s - 1].T  # [d, j]: close the cycle at the same DH class
+    d, j = np.unravel_index(int(np.argmin(total)), total.shape)
+    if not np.isfinite(total[d, j]):
+        return None
+    path = [int(j)]
+    for k in range(s - 1, 1, -1):
+        path.append(int(back[k][d, path[-1]]))
+    path.append(int(d))
+    return tuple(reversed(path))
+
+
+def greedy_groups(graph: ClassGraph, flow: int) -> dict[ClassPath, int]:
+    """Route `flow` units cheapest-first; each step takes as many units as the path can carry."""
+    residual = [c.copy() for c in graph.capacity]
+    groups: dict[ClassPath, int] = {}
+    left = flow
+    while left > 0:
+        path = _cheapest_route(graph, residual)
+        if path is None:
+            raise RuntimeError("greedy routing ran out of capacity below the max flow")
+        units = min(left, *(int(residual[k][c]) for k, c in enumerate(path)))
+        for k, c in enumerate(path):
+            residual[k][c] -= units
+        groups[path] = groups.get(path, 0) + units
+        left -= units
+    return groups
+
+
+def _best_move(graph: ClassGraph, groups: dict[ClassPath, int], residual: list[np.ndarray],
+               worst: ClassPath) -> tuple[float, ClassPath, ClassPath | None, ClassPath | None] | None:
+    """Best change of `worst` that lowers it: (new pair max, new worst, partner, new partner).
+
+    Moves: one stage to a class with spare capacity; swap one stage's class with another route;
+    swap the tails (stages k..S-1) with another route.
+    """
+    s = graph.stages
+    paths = list(groups)
+    arr = np.array(paths, dtype=np.int64)
+    edges = np.stack([graph.cost[k][arr[:, k], arr[:, (k + 1) % s]] for k in range(s)], axis=1)
+    costs = edges.sum(axis=1)
+    w = np.array(worst, dtype=np.int64)
+    w_edges = np.array([graph.cost[k][w[k], w[(k + 1) % s]] for k in range(s)])
+    w_cost = float(w_edges.sum())
+    best: tuple[float, ClassPath, ClassPath | None, ClassPath | None] | None = None
+
+    def offer(pair: np.ndarray, make: object) -> None:
+        nonlocal best
+        i = int(np.argmin(pair))
+        if pair[i] < w_cost - 1e-12 and (best is None or pair[i] < best[0]):
+            best = (float(pair[i]), *make(i))  # type: ignore[operator]
+
+    for k in range(s):
+        into, out = graph.cost[(k - 1) % s], graph.cost[k]
+        prev, nxt = w[(k - 1) % s], w[(k + 1) % s]
+        base = w_cost - w_edges[(k - 1) % s] - w_edges[k]
+        spare = np.flatnonzero(residual[k] > 0)
+        if spare.size:
+            offer(base + into[prev, spare] + out[spare, nxt],
+                  lambda i, k=k, spare=spare: (_with(worst, k, int(spare[i])), None, None))
+        x, qp, qn = arr[:, k], arr[:, (k - 1) % s], arr[:, (k + 1) % s]
+        new_w = base + into[prev, x] + out[x, nxt]
+        new_q = costs - edges[:, (k - 1) % s] - edges[:, k] + into[qp, w[k]] + out[w[k], qn]
+        pair = np.where(x == w[k], np.inf, np.maximum(new_w, new_q))
+        offer(pair, lambda i, k=k, x=x: (_with(worst, k, int(x[i])), paths[i], _with(paths[i], k, worst[k])))
+        if k >= 1:
+            offer(_tail_swap_costs(graph, arr, edges, w, w_edges, k),
+                  lambda i, k=k: (worst[:k] + paths[i][k:], paths[i], paths[i][:k] + worst[k:]))
+    return best
+
+
+def _tail_swap_costs(graph: ClassGraph, arr: np.ndarray, edges: np.ndarray, w: np.ndarray,
+                     w_edges: np.ndarray, k: int) -> np.ndarray:
+    """max(cost(w[:k] + q[k:]), cost(q[:k] + w[k:])) for every route q."""
+    s = graph.stages
+    link, ret = graph.cost[k - 1], graph.cost[s - 1]
+    new_w = (w_edges[: k - 1].sum() + link[w[k - 1], arr[:, k]] + edges[:, k: s - 1].sum(axis=1)
+             + ret[arr[:, s - 1], w[0]])
+    new_q = (edges[:, : k - 1].sum(axis=1) + link[arr[:, k - 1], w[k]] + w_edges[k: s - 1].sum()
+             + ret[w[s - 1], arr[:, 0]])
+    same = (arr[:, k:] == w[k:]).all(axis=1)
+    return np.where(same, np.inf, np.maximum(new_w, new_q))
+
+
+def _with(path: ClassPath, k: int, cls: int) -> ClassPath:
+    return path[:k] + (cls,) + path[k + 1:]
+
+
+def improve_groups(graph: ClassGraph, groups: dict[ClassPath, int], max_steps: int = 5000) -> None:
+    """Lower the most expensive route while a one-position move or swap lowers it (in place)."""
+    residual = [c.copy() for c in graph.capacity]
+    for path, units in groups.items():
+        for k, c in enumerate(path):
+            residual[k][c] -= units
+    for _ in range(max_steps):
+        worst = max(groups, key=lambda p: (graph.path_cost(p), p))
+        move = _best_move(graph, groups, residual, worst)
+        if move is None:
+            return
+        _, new_worst, partner, new_partner = move
+        units = groups[worst] if partner is None else min(groups[worst], groups[partner])
+        if partner is None:
+            k = next(i for i in range(len(worst)) if worst[i] != new_worst[i])
+            units = min(units, int(residual[k][new_worst[k]]))
+            residual[k][new_worst[k]] -= units
+            residual[k][worst[k]] += units
+        _take(groups, worst, units)
+        _put(groups, new_worst, units)
+        if partner is not None and new_partner is not None:
+            _take(groups, partner, units)
+            _put(groups, new_partner, units)
+
+
+def _path_costs(graph: ClassGraph, arr: np.ndarray) -> np.ndarray:
+    s = graph.stages
+    return np.sum([graph.cost[k][arr[:, k], arr[:, (k + 1) % s]] for k in range(s)], axis=0)
+
+
+def _take(groups: dict[ClassPath, int], path: ClassPath, units: int) -> None:
+    groups[path] -= units
+    if groups[path] == 0:
+        del groups[path]
+
+
+def _put(groups: dict[ClassPath, int], path: ClassPath, units: int) -> None:
+    groups[path] = groups.get(path, 0) + units
+
+
+# ---- exact: path enumeration + CP-SAT bisection on the cost cap --------------------------------
+
+
+def enumerate_paths(graph: ClassGraph, cap_s: float, limit: int) -> list[tuple[float, ClassPath]] | None:
+    """All class paths of cost <= cap_s (sorted by cost), or None if there are more than `limit`."""
+    s = graph.stages
+    bwd = [np.zeros(0)] * s  # bwd[k][d, j]: cheapest completion from class j of stage k to DH d
+    bwd[s - 1] = graph.cost[s - 1].T.copy()
+    for k in range(s - 2, 0, -1):
+        bwd[k] = (graph.cost[k][None, :, :] + bwd[k + 1][:, None, :]).min(axis=2)
+    out: list[tuple[float, ClassPath]] = []
+    tol = cap_s + 1e-9 * max(1.0, cap_s)
+
+    def walk(d: int, path: list[int], cost: float) -> bool:
+        k = len(path)
+        if k == s:
+            out.append((cost + float(graph.cost[s - 1][path[-1], d]), tuple(path)))
+            return len(out) <= limit
+        step = graph.cost[k - 1][path[-1]]
+        for j in np.flatnonzero(cost + step + bwd[k][d] <= tol):
+            if not walk(d, [*path, int(j)], cost + float(step[j])):
+                return False
+        return True
+
+    for d in range(len(graph.members[0])):
+        if not walk(d, [d], 0.0):
+            return None
+    out.sort()
+    return out
+
+
+def _cpsat(graph: ClassGraph, paths: list[tuple[float, ClassPath]], flow: int,
+           minimise_sum: bool, time_limit_s: float) -> dict[ClassPath, int] | None:
+    """Integer multiplicities on `paths` carrying `flow` within class capacities (None: infeasible)."""
+    model = cp_model.CpModel()
+    use: dict[tuple[int, int], list[cp_model.IntVar]] = {}
+    ys = []
+    for i, (_, path) in enumerate(paths):
+        ub = min(int(graph.capacity[k][c]) for k, c in enumerate(path))
+        y = model.new_int_var(0, min(ub, flow), f"y{i}")
+        ys.append(y)
+        for k, c in enumerate(path):
+            use.setdefault((k, c), []).append(y)
+    for (k, c), vs in use.items():
+        model.add(sum(vs) <= int(graph.capacity[k][c]))
+    model.add(sum(ys) == flow)
+    if minimise_sum:
+        model.minimize(sum(round(cost * _COST_SCALE) * y for (cost, _), y in zip(paths, ys)))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1  # deterministic
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.solve(model)
+    if status == cp_model.INFEASIBLE:
+        return None
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise TimeoutError("CP-SAT gave no answer within the time limit")
+    return {p: int(solver.value(y)) for (_, p), y in zip(paths, ys) if solver.value(y) > 0}
+
+
+def exact_groups(graph: ClassGraph, flow: int, paths: list[tuple[float, ClassPath]], lo_s: float,
+                 time_limit_s: float) -> dict[ClassPath, int]:
+    """Least cap (bisection over the sorted path costs >= lo_s) that carries `flow`; min sum under it."""
+    costs = sorted({c for c, _ in paths})
+    lo = max(0, int(np.searchsorted(costs, lo_s - 1e-9 * max(1.0, lo_s))) - 1)
+    hi = len(costs) - 1  # feasible: the heuristic's routes are among the paths
+    while lo < hi:
+        mid = (lo + hi) // 2
+        within = [p for p in paths if p[0] <= costs[mid]]
+        if _cpsat(graph, within, flow, False, time_limit_s) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    best = _cpsat(graph, [p for p in paths if p[0] <= costs[lo]], flow, True, time_limit_s)
+    if best is None:
+        raise RuntimeError("exact optimum: the final cap became infeasible")
+    return best
+
+
+# ---- the entry point ------------------------------------------------------------------------------
+
+
+def optimum(instance: Instance, exact: bool | None = None, time_limit_s: float = 30.0,
+            max_improve_steps: int = 5000) -> OptimumResult:
+    """Max flow, then min max route cost, then min sum; exact when small (or `exact=True`).
+
+    `exact=None` picks exact for <= EXACT_MAX_NODES nodes when at most EXACT_PATH_LIMIT class
+    paths are no dearer than the heuristic's max. `time_limit_s` bounds each CP-SAT solve.
+    """
+    graph = class_graph(instance)
+    flow = _max_flow(graph)
+    if flow == 0:
+        return OptimumResult([], RouteStats(0, 0.0, 0.0), 0.0, "empty")
+    groups = greedy_groups(graph, flow)
+    improve_groups(graph, groups, max_steps=max_improve_steps)
+    bound = lower_bound(graph, flow)
+    method = "heuristic"
+    want_exact = exact if exact is not None else len(instance.nodes) <= EXACT_MAX_NODES
+    upper = max(graph.path_cost(p) for p in groups)
+    if want_exact:
+        paths = enumerate_paths(graph, upper, EXACT_PATH_LIMIT if exact is None else 1 << 62)
+        if paths is not None:
+            groups = exact_groups(graph, flow, paths, bound, time_limit_s)
+            method = "exact-cpsat"
+    routes = split_to_routes(instance, graph, groups)
+    stats = evaluate_routes(instance, routes)
+    lb = stats.max_route_cost_s if method == "exact-cpsat" else min(bound, stats.max_route_cost_s)
+    return OptimumResult(routes, stats, lb, method)
