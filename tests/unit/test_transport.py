@@ -1,0 +1,271 @@
+"""Transport and auth on loopback: delivery, refused secrets, bad peers, failures that must not hang.
+
+Every test runs its own event loop with an overall deadline; every await inside is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gwtf.config import RuntimeConfig
+from gwtf.errors import UserError
+from gwtf.protocol.base import Message
+from gwtf.runtime import auth
+from gwtf.runtime.codec import Decoder, encode_bytes
+from gwtf.runtime.transport import SendFailed, Transport, parse_addr
+
+SECRET = b"test-secret"
+FAST = RuntimeConfig(connect_timeout_s=2.0, request_timeout_s=5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Act(Message):
+    TYPE = "T_ACT"
+    mb: int
+    note: str = ""
+
+
+REG: dict[str, type[Message]] = {"T_ACT": Act}
+
+
+class Inbox:
+    """Collects on_frame calls; `get()` waits (bounded) for the next one."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[str, Message, list[np.ndarray]]] = asyncio.Queue()
+
+    def __call__(self, peer: str, msg: Message, tensors: list[np.ndarray]) -> None:
+        self.queue.put_nowait((peer, msg, tensors))
+
+    async def get(self) -> tuple[str, Message, list[np.ndarray]]:
+        return await asyncio.wait_for(self.queue.get(), 5.0)
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 20.0))
+
+
+async def node(name: str, inbox: Inbox | None = None, secret: bytes = SECRET) -> Transport:
+    t = Transport(name, secret, inbox or Inbox(), FAST, registry=REG)
+    await t.start("127.0.0.1", 0)
+    return t
+
+
+async def read_until_eof(reader: asyncio.StreamReader) -> bytes:
+    return await asyncio.wait_for(reader.read(), 5.0)
+
+
+def test_message_with_4mib_tensor_arrives_intact() -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        a, b = await node("a", inbox), await node("b")
+        x = np.random.default_rng(1).standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+        await b.send(a.address, Act(mb=7), [x, np.arange(5)], timeout_s=5)
+        await b.send(a.address, Act(mb=8, note="second"), timeout_s=5)  # reuses the connection
+        peer, msg, tensors = await inbox.get()
+        assert (peer, msg) == ("b", Act(mb=7)) and np.array_equal(tensors[0], x)
+        assert np.array_equal(tensors[1], np.arange(5))
+        assert (await inbox.get())[1] == Act(mb=8, note="second")
+        assert a.port == parse_addr(a.address)[1] > 0
+        await a.close()
+        await b.close()
+
+    run(main)
+
+
+def test_wrong_secret_refused_and_server_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        server, good, bad = await node("s", inbox), await node("good"), await node("bad", secret=b"nope")
+        with caplog.at_level(logging.WARNING, logger="gwtf.runtime.transport"):
+            with pytest.raises(SendFailed, match="swarm secret"):
+                await bad.send(server.address, Act(mb=1), timeout_s=5)
+        assert any("refused peer 127.0.0.1:" in r.message and "bad swarm secret" in r.message
+                   for r in caplog.records)
+        await good.send(server.address, Act(mb=2), timeout_s=5)
+        assert await inbox.get() == ("good", Act(mb=2), [])
+        assert inbox.queue.empty()  # the refused peer's frame never reached on_frame
+        for t in (server, good, bad):
+            await t.close()
+
+    run(main)
+
+
+def test_garbage_client_dropped_and_server_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        server, good = await node("s", inbox), await node("good")
+        host, port = parse_addr(server.address)
+        reader, writer = await asyncio.open_connection(host, port)
+        with caplog.at_level(logging.WARNING, logger="gwtf.runtime.transport"):
+            writer.write(b"\x00garbage garbage garbage")
+            await read_until_eof(reader)  # the server hangs up
+        writer.close()
+        assert any("bad frame: bad magic" in r.message for r in caplog.records)
+        await good.send(server.address, Act(mb=3), timeout_s=5)
+        assert (await inbox.get())[1] == Act(mb=3)
+        await server.close()
+        await good.close()
+
+    run(main)
+
+
+def test_unauthenticated_protocol_frame_never_reaches_on_frame(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        server = await node("s", inbox)
+        reader, writer = await asyncio.open_connection(*parse_addr(server.address))
+        with caplog.at_level(logging.WARNING, logger="gwtf.runtime.transport"):
+            writer.write(encode_bytes(Act(mb=66)))  # a well-formed frame, but no handshake
+            await read_until_eof(reader)
+        writer.close()
+        assert inbox.queue.empty()
+        assert any("unknown type 'T_ACT'" in r.message for r in caplog.records)
+        await server.close()
+
+    run(main)
+
+
+async def _manual_handshake(addr: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Authenticate as a client by hand (raw streams + auth helpers)."""
+    reader, writer = await asyncio.open_connection(*parse_addr(addr))
+    mine = auth.Hello(node_id="raw", nonce=auth.new_nonce())
+    writer.write(encode_bytes(mine))
+    dec = Decoder(registry=auth.HANDSHAKE_TYPES)
+    frames: list[Any] = []
+    while len(frames) < 1:
+        frames += dec.feed(await asyncio.wait_for(reader.read(4096), 5.0))
+    server_hello = frames[0].msg
+    writer.write(encode_bytes(auth.Proof(mac=auth.handshake_mac(SECRET, "client", mine, server_hello))))
+    while len(frames) < 2:
+        frames += dec.feed(await asyncio.wait_for(reader.read(4096), 5.0))
+    assert auth.verify_mac(SECRET, "server", mine, server_hello, frames[1].msg.mac)
+    return reader, writer
+
+
+def test_authenticated_peer_sending_bad_frame_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        server, good = await node("s", inbox), await node("good")
+        reader, writer = await _manual_handshake(server.address)
+        writer.write(encode_bytes(Act(mb=1)))
+        assert await inbox.get() == ("raw", Act(mb=1), [])
+        with caplog.at_level(logging.WARNING, logger="gwtf.runtime.transport"):
+            writer.write(b"GWTF\x01\x00" + bytes(12) + b"\xff")  # header_len 0: not a map
+            await read_until_eof(reader)
+        writer.close()
+        assert any("(node raw): bad frame" in r.message for r in caplog.records)
+        await good.send(server.address, Act(mb=2), timeout_s=5)
+        assert (await inbox.get())[1] == Act(mb=2)
+        await server.close()
+        await good.close()
+
+    run(main)
+
+
+def test_silent_peer_dropped_after_handshake_timeout() -> None:
+    async def main() -> None:
+        server = Transport("s", SECRET, Inbox(), RuntimeConfig(connect_timeout_s=0.2), registry=REG)
+        await server.start()
+        reader, writer = await asyncio.open_connection(*parse_addr(server.address))
+        await read_until_eof(reader)  # server's HELLO, then EOF once its handshake timer fires
+        writer.close()
+        await server.close()
+
+    run(main)
+
+
+def test_send_to_closed_port_fails_quickly() -> None:
+    async def main() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # closed again when the block ends: nothing listens
+        client = await node("c")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(SendFailed) as info:
+            await client.send(f"127.0.0.1:{port}", Act(mb=1), timeout_s=5)
+        assert loop.time() - start < 2.0 and info.value.addr == f"127.0.0.1:{port}"
+        with pytest.raises(SendFailed, match="bad address"):
+            await client.send("nowhere", Act(mb=1), timeout_s=1)
+        await client.close()
+        with pytest.raises(SendFailed, match="closed"):
+            await client.send(f"127.0.0.1:{port}", Act(mb=1), timeout_s=1)
+
+    run(main)
+
+
+def test_peer_closing_mid_transfer_fails_the_send() -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        server, client = await node("s", inbox), await node("c")
+        await client.send(server.address, Act(mb=0), timeout_s=5)  # connect + authenticate
+        assert (await inbox.get())[1] == Act(mb=0)
+        big = np.zeros(64 << 20, np.uint8)  # far more than the socket buffers hold
+        send = asyncio.ensure_future(client.send(server.address, Act(mb=1), [big], timeout_s=10))
+        await asyncio.sleep(0)  # let the send write what fits and block on back-pressure
+        assert not send.done()
+        await server.close()  # aborts the connection with most of the frame unread
+        with pytest.raises(SendFailed):
+            await asyncio.wait_for(send, 5.0)
+        assert inbox.queue.empty()
+        await client.close()
+
+    run(main)
+
+
+def test_send_timeout_when_peer_never_reads() -> None:
+    async def main() -> None:
+        server, client = await node("s"), await node("c")
+        await client.send(server.address, Act(mb=0), timeout_s=5)
+        for conn in list(server._conns_all):  # test-only: make the server stop reading
+            assert conn._transport is not None
+            conn._transport.pause_reading()
+        with pytest.raises(SendFailed, match="timeout"):
+            await client.send(server.address, Act(mb=1), [np.zeros(64 << 20, np.uint8)], timeout_s=0.3)
+        await server.close()
+        await client.close()
+
+    run(main)
+
+
+# --------------------------------------------------------------------------------------------
+# Secret loading and MACs
+# --------------------------------------------------------------------------------------------
+
+
+def test_secret_from_file_env_or_dev_default(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    f = tmp_path / "secret"
+    f.write_bytes(b"  s3cret\n")
+    assert auth.load_secret(str(f), environ={auth.SECRET_ENV: "env"}) == b"s3cret"  # the file wins
+    assert auth.load_secret(None, environ={auth.SECRET_ENV: "env"}) == b"env"
+    with caplog.at_level(logging.WARNING, logger="gwtf.runtime.auth"):
+        assert auth.load_secret(None, environ={}) == auth.DEV_SECRET
+    assert any("dev secret" in r.message for r in caplog.records)
+    f.write_bytes(b"\n")
+    with pytest.raises(UserError, match="empty"):
+        auth.load_secret(str(f), environ={})
+    with pytest.raises(UserError, match="cannot read"):
+        auth.load_secret(str(tmp_path / "missing"), environ={})
+    with pytest.raises(UserError, match="empty"):
+        auth.load_secret(None, environ={auth.SECRET_ENV: " "})
+
+
+def test_mac_binds_secret_role_nonces_and_ids() -> None:
+    c = auth.Hello(node_id="c", nonce=bytes(16))
+    s = auth.Hello(node_id="s", nonce=bytes(range(16)))
+    mac = auth.handshake_mac(SECRET, "client", c, s)
+    assert auth.verify_mac(SECRET, "client", c, s, mac)
+    assert not auth.verify_mac(b"other", "client", c, s, mac)
+    assert not auth.verify_mac(SECRET, "server", c, s, mac)  # no reflection
+    assert not auth.verify_mac(SECRET, "client", s, c, mac)
+    assert not auth.verify_mac(SECRET, "client", c, auth.Hello(node_id="s", nonce=bytes(16)), mac)
