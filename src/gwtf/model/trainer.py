@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from gwtf.config import Config, TrainConfig, to_dict, write_resolved
 from gwtf.errors import UserError
-from gwtf.model.checkpoint import load_checkpoint, save_checkpoint
+from gwtf.model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gwtf.model.data import TokenDataset, load_dataset
 from gwtf.model.plots import plot_loss
 from gwtf.model.presets import model_spec
@@ -296,14 +296,19 @@ def _save(
         plot_loss(metrics, out_dir / "loss.png", title=f"{cfg.model.family}-{cfg.model.preset} on {cfg.data.source}")
 
 
-def _restore(
-    out_dir: Path, cfg: Config, stages: Sequence[nn.Module], optimizers: Sequence[StageOptimizer]
-) -> tuple[int, float]:
-    ckpt = load_checkpoint(out_dir / "checkpoint")
+def _open_checkpoint(out_dir: Path, cfg: Config) -> Checkpoint:
+    """Load, verify and check compatibility before any data or model work (fail fast)."""
     path = out_dir / "checkpoint"
-    if len(ckpt.stages) != len(stages) or not isinstance(ckpt.meta.get("config"), dict):
+    ckpt = load_checkpoint(path)
+    if len(ckpt.stages) != cfg.model.stages or not isinstance(ckpt.meta.get("config"), dict):
         raise UserError(f"corrupt checkpoint: {path} (stage count or config missing)")
     _check_resumable(ckpt.meta["config"], cfg)
+    return ckpt
+
+
+def _restore(
+    ckpt: Checkpoint, path: Path, stages: Sequence[nn.Module], optimizers: Sequence[StageOptimizer]
+) -> tuple[int, float]:
     for s, o, tensors in zip(stages, optimizers, ckpt.stages, strict=True):
         params = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")}
         try:
@@ -333,12 +338,13 @@ def train_local(
     if tc.torch_threads > 0:
         torch.set_num_threads(tc.torch_threads)
     torch.manual_seed(tc.seed)  # only dropout draws from it; init is seeded per stage
+    ckpt = _open_checkpoint(out, cfg) if resume else None
     kwargs = {"say": say} if say is not None else {}
     dataset = load_dataset(cfg.data, cfg.model, tc.seed, tc.data_holders, **kwargs)
     spec = model_spec(cfg.model, dataset.vocab_size)
     stages = [build_stage(spec, k, cfg.model.stages, tc.seed) for k in range(cfg.model.stages)]
     optimizers = [StageOptimizer(s, tc) for s in stages]
-    start, elapsed0 = _restore(out, cfg, stages, optimizers) if resume else (0, 0.0)
+    start, elapsed0 = _restore(ckpt, out / "checkpoint", stages, optimizers) if ckpt else (0, 0.0)
     write_resolved(cfg, out)
     metrics_path = out / "metrics.jsonl"
     metrics = _read_metrics(metrics_path, start) if resume else []
