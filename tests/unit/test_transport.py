@@ -75,6 +75,7 @@ def test_message_with_4mib_tensor_arrives_intact() -> None:
         assert (peer, msg) == ("b", Act(mb=7)) and np.array_equal(tensors[0], x)
         assert np.array_equal(tensors[1], np.arange(5))
         assert (await inbox.get())[1] == Act(mb=8, note="second")
+        assert await b.connect(a.address, timeout_s=5) == "a"  # the handshake tells the peer's id
         assert a.port == parse_addr(a.address)[1] > 0
         await a.close()
         await b.close()

@@ -207,7 +207,8 @@ class Transport:
     """Listens for peers, sends frames to peers, hands inbound frames to `on_frame`.
 
     Usage: `t = Transport(node_id, secret, on_frame, cfg)`; `addr = await t.start(host, port)`;
-    `await t.send(addr, msg, tensors)`; `await t.close()`.
+    `await t.send(addr, msg, tensors)`; `await t.close()`. `node_id` may be reassigned after
+    `start` as long as no connection exists yet (it goes into each connection's HELLO).
     """
 
     def __init__(
@@ -269,6 +270,23 @@ class Transport:
             raise SendFailed(addr, "timeout") from None
         except (OSError, ValueError) as exc:  # ConnectionError is an OSError; ValueError: bad addr
             raise SendFailed(addr, str(exc) or type(exc).__name__) from None
+
+    async def connect(self, addr: str, timeout_s: float | None = None) -> NodeId:
+        """Open (or reuse) the authenticated connection to `addr`; return the peer's node id.
+
+        Raises:
+            SendFailed: refused, timed out, or handshake refused.
+        """
+        if self._closed:
+            raise SendFailed(addr, "transport closed")
+        try:
+            async with asyncio.timeout(timeout_s if timeout_s is not None else self.cfg.connect_timeout_s):
+                conn = await self._connection(addr)
+        except TimeoutError:
+            raise SendFailed(addr, "timeout") from None
+        except (OSError, ValueError) as exc:
+            raise SendFailed(addr, str(exc) or type(exc).__name__) from None
+        return conn.peer_id
 
     async def close(self) -> None:
         """Stop listening, cancel connects, close every connection, wait until they are gone."""
