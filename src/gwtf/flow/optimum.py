@@ -23,6 +23,7 @@ Must not import torch, asyncio, socket, threading or time (wall time is measured
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -202,36 +203,94 @@ def lower_bound_max_route_cost_s(instance: Instance) -> float:
 # ---- heuristic: cheapest route first, then improve the most expensive route --------------------
 
 
-def _cheapest_route(graph: ClassGraph, residual: list[np.ndarray]) -> ClassPath | None:
+def _cheapest_routes(graph: ClassGraph, residual: list[np.ndarray]) -> list[tuple[float, ClassPath]]:
+    """Each data-holder class's cheapest route on the residual graph, cheapest first."""
     s = graph.stages
     masks = [np.where(r > 0, 0.0, np.inf) for r in residual]
     fwd, back = _forward(graph, masks)
     total = fwd[s - 1] + graph.cost[s - 1].T  # [d, j]: close the cycle at the same DH class
-    d, j = np.unravel_index(int(np.argmin(total)), total.shape)
-    if not np.isfinite(total[d, j]):
-        return None
-    path = [int(j)]
-    for k in range(s - 1, 1, -1):
-        path.append(int(back[k][d, path[-1]]))
-    path.append(int(d))
-    return tuple(reversed(path))
+    out = []
+    for d in range(total.shape[0]):
+        j = int(np.argmin(total[d]))
+        if np.isfinite(total[d, j]):
+            path = [j]
+            for k in range(s - 1, 1, -1):
+                path.append(int(back[k][d, path[-1]]))
+            out.append((float(total[d, j]), (d, *reversed(path))))
+    return sorted(out)
 
 
-def greedy_groups(graph: ClassGraph, flow: int) -> dict[ClassPath, int]:
-    """Route `flow` units cheapest-first; each step takes as many units as the path can carry."""
+def _fill(graph: ClassGraph, flow: int,
+          candidates: Callable[[list[np.ndarray]], list[tuple[float, ClassPath]]]) -> dict[ClassPath, int]:
+    """Route `flow` units in rounds: one DP per round, its candidates taken in order while they fit.
+
+    Each candidate takes as many units as its path can carry, so every round saturates a class.
+    """
     residual = [c.copy() for c in graph.capacity]
     groups: dict[ClassPath, int] = {}
     left = flow
     while left > 0:
-        path = _cheapest_route(graph, residual)
-        if path is None:
-            raise RuntimeError("greedy routing ran out of capacity below the max flow")
-        units = min(left, *(int(residual[k][c]) for k, c in enumerate(path)))
-        for k, c in enumerate(path):
-            residual[k][c] -= units
-        groups[path] = groups.get(path, 0) + units
-        left -= units
+        batch = candidates(residual)
+        if not batch:
+            raise RuntimeError("routing ran out of capacity below the max flow")
+        for _, path in batch:
+            units = min(left, *(int(residual[k][c]) for k, c in enumerate(path)))
+            if units == 0:
+                continue
+            for k, c in enumerate(path):
+                residual[k][c] -= units
+            groups[path] = groups.get(path, 0) + units
+            left -= units
+            if left == 0:
+                break
     return groups
+
+
+def greedy_groups(graph: ClassGraph, flow: int) -> dict[ClassPath, int]:
+    """Cheapest routes first (per round: every data-holder class's cheapest route)."""
+    return _fill(graph, flow, lambda residual: _cheapest_routes(graph, residual))
+
+
+def _backward(graph: ClassGraph, masks: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """bwd[k][d, j]: cheapest cost from class j of stage k >= 1 back to DH class d, + pointers."""
+    s = graph.stages
+    bwd = [np.zeros(0)] * s
+    ptr = [np.zeros(0)] * s
+    bwd[s - 1] = graph.cost[s - 1].T.copy()
+    for k in range(s - 2, 0, -1):
+        t = graph.cost[k][None, :, :] + masks[k + 1][None, None, :] + bwd[k + 1][:, None, :]
+        ptr[k] = t.argmin(axis=2)
+        bwd[k] = t.min(axis=2)
+    return bwd, ptr
+
+
+def _hardest_routes(graph: ClassGraph, residual: list[np.ndarray], b: int) -> list[tuple[float, ClassPath]]:
+    """For each stage-b class, its cheapest route; dearest first (b >= 1)."""
+    s = graph.stages
+    masks = [np.where(r > 0, 0.0, np.inf) for r in residual]
+    fwd, back = _forward(graph, masks)
+    bwd, ptr = _backward(graph, masks)
+    through = fwd[b] + bwd[b]  # [d, v]
+    best_d = through.argmin(axis=0)
+    out = []
+    for v in range(through.shape[1]):
+        d = int(best_d[v])
+        if not np.isfinite(through[d, v]):
+            continue
+        head = [v]
+        for k in range(b, 1, -1):
+            head.append(int(back[k][d, head[-1]]))
+        tail = [v]
+        for k in range(b, s - 1):
+            tail.append(int(ptr[k][d, tail[-1]]))
+        out.append((-float(through[d, v]), (d, *reversed(head[1:]), *tail)))
+    return sorted(out)
+
+
+def hardest_first_groups(graph: ClassGraph, flow: int) -> dict[ClassPath, int]:
+    """Serve the bottleneck relay stage's classes dearest-first, each by its cheapest route."""
+    b = 1 + int(np.argmin([c.sum() for c in graph.capacity[1:]]))
+    return _fill(graph, flow, lambda residual: _hardest_routes(graph, residual, b))
 
 
 def _best_move(graph: ClassGraph, groups: dict[ClassPath, int], residual: list[np.ndarray],
@@ -316,11 +375,6 @@ def improve_groups(graph: ClassGraph, groups: dict[ClassPath, int], max_steps: i
         if partner is not None and new_partner is not None:
             _take(groups, partner, units)
             _put(groups, new_partner, units)
-
-
-def _path_costs(graph: ClassGraph, arr: np.ndarray) -> np.ndarray:
-    s = graph.stages
-    return np.sum([graph.cost[k][arr[:, k], arr[:, (k + 1) % s]] for k in range(s)], axis=0)
 
 
 def _take(groups: dict[ClassPath, int], path: ClassPath, units: int) -> None:
@@ -414,6 +468,20 @@ def exact_groups(graph: ClassGraph, flow: int, paths: list[tuple[float, ClassPat
 # ---- the entry point ------------------------------------------------------------------------------
 
 
+def _best_heuristic(graph: ClassGraph, flow: int, max_improve_steps: int) -> dict[ClassPath, int]:
+    """Cheapest-first and hardest-first starts, each locally improved; the lower (max, sum) wins."""
+    best: tuple[tuple[float, float], dict[ClassPath, int]] | None = None
+    for start in (greedy_groups, hardest_first_groups):
+        groups = start(graph, flow)
+        improve_groups(graph, groups, max_steps=max_improve_steps)
+        costs = [(graph.path_cost(p), n) for p, n in groups.items()]
+        score = (max(c for c, _ in costs), sum(c * n for c, n in costs))
+        if best is None or score < best[0]:
+            best = (score, groups)
+    assert best is not None
+    return best[1]
+
+
 def optimum(instance: Instance, exact: bool | None = None, time_limit_s: float = 30.0,
             max_improve_steps: int = 5000) -> OptimumResult:
     """Max flow, then min max route cost, then min sum; exact when small (or `exact=True`).
@@ -425,8 +493,7 @@ def optimum(instance: Instance, exact: bool | None = None, time_limit_s: float =
     flow = _max_flow(graph)
     if flow == 0:
         return OptimumResult([], RouteStats(0, 0.0, 0.0), 0.0, "empty")
-    groups = greedy_groups(graph, flow)
-    improve_groups(graph, groups, max_steps=max_improve_steps)
+    groups = _best_heuristic(graph, flow, max_improve_steps)
     bound = lower_bound(graph, flow)
     method = "heuristic"
     want_exact = exact if exact is not None else len(instance.nodes) <= EXACT_MAX_NODES
