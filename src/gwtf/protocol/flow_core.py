@@ -1,0 +1,236 @@
+"""State and shared helpers of gwtf's flow agent: neighbour tables, flow table, cost adverts.
+
+Owns: `Neighbour`, `FlowEntry`, and `FlowCore`, the base class of `protocol.flow.FlowAgent`:
+the node's view of its previous / same / next-stage peers (edge cost d(i,j) from
+`flow.cost.edge_cost_s` with a symmetric estimate built from this node's own measurements), the
+flow table, the distance-vector cost to every target data holder (recomputed at most once per
+`advert_interval_s`, advertised to the previous stage when it changes), cost propagation along
+flows, and the effect buffer every handler fills.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from gwtf.config import FlowConfig
+from gwtf.flow.cost import edge_cost_s
+from gwtf.protocol.base import Message, NodeId, Send, SetTimer
+from gwtf.protocol.flow_messages import INF_COST_S, FlowAdvert, FlowCost
+from gwtf.protocol.router import LinkEstimate, PeerInfo
+
+INF = INF_COST_S
+COST_EPS_S = 1e-9
+FlowKey = tuple[NodeId, int]
+"""A flow's name: (origin data holder, flow id chosen by that data holder)."""
+
+
+@dataclass(slots=True)
+class Neighbour:
+    """A prev / same / next-stage peer and what this node knows of it."""
+
+    info: PeerInfo
+    link: LinkEstimate
+    cost_s: float  # d(me, peer), the edge cost of the flow model
+    adv: dict[NodeId, float] = field(default_factory=dict)  # its advertised cost to each target
+    has_capacity: bool = True
+
+
+@dataclass(slots=True)
+class FlowEntry:
+    """One flow through this node. At the origin data holder prev is the flow's last relay."""
+
+    origin: NodeId
+    flow_id: int
+    prev: NodeId
+    next: NodeId | None = None
+    up_prev_s: float = 0.0  # route cost from the origin to prev
+    up_s: float = 0.0  # ... to me (= up_prev_s + d(prev, me)); 0 at the origin
+    down_next_s: float = 0.0  # route cost from next back to the origin
+    down_s: float = 0.0  # ... from me (= d(me, next) + down_next_s)
+    pending: bool = False  # a reservation of the downstream part is under way
+    repairing: bool = False  # the pending reservation replaces a lost downstream part
+    locked: bool = False  # offered in an annealing move that is under way
+    tried: list[NodeId] = field(default_factory=list)
+    since_s: float = 0.0  # last change of prev / next
+    requested_s: float = 0.0
+    check_fails: int = 0
+
+    @property
+    def key(self) -> FlowKey:
+        return (self.origin, self.flow_id)
+
+    @property
+    def cost_s(self) -> float:
+        """The whole route's cost as this node knows it: up + down."""
+        return self.up_s + self.down_s
+
+
+class FlowCore:
+    """Tables and helpers shared by the reservation, repair and annealing parts of the agent."""
+
+    def __init__(
+        self, me: PeerInfo, stages: int, activation_bytes: int, cfg: FlowConfig, rng: random.Random
+    ) -> None:
+        if not 0 <= me.stage < stages:
+            raise ValueError(f"node {me.id} stage {me.stage} outside 0..{stages - 1}")
+        self.me = me
+        self.stages = stages
+        self.activation_bytes = activation_bytes
+        self.cfg = cfg
+        self.rng = rng
+        self.is_dh = me.stage == 0
+        self.is_last = me.stage == stages - 1
+        self.prev_stage = (me.stage - 1) % stages
+        self.next_stage = (me.stage + 1) % stages
+        self.prev_peers: dict[NodeId, Neighbour] = {}
+        self.same_peers: dict[NodeId, Neighbour] = {}
+        self.next_peers: dict[NodeId, Neighbour] = {}
+        self.flows: dict[FlowKey, FlowEntry] = {}
+        self.tombstones: dict[FlowKey, tuple[NodeId, float]] = {}  # handed over -> (holder, until)
+        self.now = 0.0
+        self.ticks = 0
+        self.reserved = 0  # capacity held for an annealing take-over under way
+        self.messages_in = 0
+        self.messages_out = 0
+        self._check_phase = rng.randrange(cfg.check_every_ticks)
+        self._out: list[Any] = []
+        self._dirty = False
+        self._advertised: tuple[tuple[str, ...], tuple[float, ...], bool] | None = None
+        self._last_advert_s = -INF
+        self._advert_timer_set = False
+
+    # ------------------------------------------------------------------------------ effects
+
+    def _send(self, to: NodeId, msg: Message) -> None:
+        self.messages_out += 1
+        self._out.append(Send(to, msg))
+
+    def _flush(self) -> list[Any]:
+        if self._dirty:
+            self._dirty = False
+            self._maybe_advert()
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------------------------- peers
+
+    def _add_peer(self, info: PeerInfo, link: LinkEstimate) -> None:
+        if info.id == self.me.id:
+            return
+        nb = Neighbour(info, link, self._edge_cost(info, link))
+        if info.stage == self.next_stage:
+            self.next_peers[info.id] = nb
+        if info.stage == self.prev_stage:
+            self.prev_peers[info.id] = nb
+        if info.stage == self.me.stage:
+            self.same_peers[info.id] = nb
+        self._dirty = True
+
+    def _remove_peer(self, peer: NodeId) -> None:
+        for table in (self.prev_peers, self.same_peers, self.next_peers):
+            table.pop(peer, None)
+        self._dirty = True
+
+    def _update_link(self, peer: NodeId, link: LinkEstimate) -> bool:
+        """Re-price the edge to `peer`; False if the peer is unknown."""
+        found = False
+        for table in (self.prev_peers, self.same_peers, self.next_peers):
+            nb = table.get(peer)
+            if nb is not None:
+                nb.link = link
+                nb.cost_s = self._edge_cost(nb.info, link)
+                found = True
+        self._dirty = found
+        return found
+
+    def _edge_cost(self, info: PeerInfo, link: LinkEstimate) -> float:
+        lat, bw = link.latency_s, link.bandwidth_bytes_per_s
+        return edge_cost_s(self.me.compute_s, info.compute_s, lat, lat, bw, bw, self.activation_bytes)
+
+    def link_s(self, peer: NodeId) -> float:
+        """d(me, peer) for a prev- or next-stage peer; inf when unknown."""
+        nb = self.next_peers.get(peer) or self.prev_peers.get(peer)
+        return nb.cost_s if nb is not None else INF
+
+    # --------------------------------------------------------------------------- capacity
+
+    @property
+    def load(self) -> int:
+        return len(self.flows) + self.reserved
+
+    def _has_capacity(self) -> bool:
+        return self.load < self.me.capacity
+
+    def _forget(self, e: FlowEntry) -> None:
+        if self.flows.get(e.key) is e:
+            del self.flows[e.key]
+            self._dirty = True
+
+    def _expire_tombstones(self) -> None:
+        dead = [k for k, (_, until) in self.tombstones.items() if until < self.now]
+        for k in dead:
+            del self.tombstones[k]
+
+    # ----------------------------------------------------------------------- cost adverts
+
+    def _current_costs(self) -> dict[NodeId, float]:
+        """Least cost from me to each target data holder for a new flow (distance vector)."""
+        if self.is_last:
+            return {t: nb.cost_s for t, nb in self.next_peers.items() if nb.info.stage == 0}
+        best: dict[NodeId, float] = {}
+        for nb in self.next_peers.values():
+            if not nb.has_capacity:
+                continue
+            c0 = nb.cost_s
+            for t, c in nb.adv.items():
+                v = c0 + c
+                if v < best.get(t, INF):
+                    best[t] = v
+        return best
+
+    def _maybe_advert(self) -> None:
+        """Advertise my costs to the previous stage if they changed (at most once per interval)."""
+        if self.is_dh or not self.prev_peers:
+            return
+        due = self._last_advert_s + self.cfg.advert_interval_s
+        if self.now < due:
+            if not self._advert_timer_set:
+                self._advert_timer_set = True
+                self._out.append(SetTimer(("flow", "advert"), due))
+            return
+        self._last_advert_s = self.now
+        costs = self._current_costs()
+        targets = tuple(sorted(costs))
+        state = (targets, tuple(costs[t] for t in targets), self._has_capacity())
+        if state == self._advertised:
+            return
+        self._advertised = state
+        msg = FlowAdvert(*state)
+        for pid in self.prev_peers:
+            self._send(pid, msg)
+
+    # ------------------------------------------------------------------- costs along flows
+
+    def _set_up(self, e: FlowEntry, up_prev_s: float) -> None:
+        """New cost at my prev: update my up cost and pass a change downstream."""
+        e.up_prev_s = up_prev_s
+        up = up_prev_s + self.link_s(e.prev)
+        if abs(up - e.up_s) <= COST_EPS_S:
+            return
+        e.up_s = up
+        if e.next is not None and e.next != e.origin and not e.pending:
+            self._send(e.next, FlowCost(e.origin, e.flow_id, "prev", up))
+
+    def _set_down(self, e: FlowEntry, down_next_s: float, last: str = "") -> None:
+        """New cost at my next: update my down cost and pass a change upstream."""
+        e.down_next_s = down_next_s
+        down = (self.link_s(e.next) if e.next is not None else INF) + down_next_s
+        if abs(down - e.down_s) <= COST_EPS_S and not last:
+            return
+        e.down_s = down
+        if not self.is_dh:
+            self._send(e.prev, FlowCost(e.origin, e.flow_id, "next", down, last))

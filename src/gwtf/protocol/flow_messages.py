@@ -1,0 +1,207 @@
+"""Messages of gwtf's decentralized flow protocol (TYPE names "flow.*"; docs/flow-protocol.md).
+
+Owns: the wire vocabulary of `protocol.flow.FlowAgent`: cost advertisements (distance vector),
+hop-by-hop reservation (request / response / cancel / push back), cost and switch notices along a
+flow, consistency checks, and the annealing exchange between same-stage peers (query / table /
+propose / respond). A flow is named by (origin data holder, flow id) everywhere.
+
+Field types are limited to int, float, str, bool and flat tuples of those (the codec's rule).
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gwtf.protocol.base import Message, message
+
+INF_COST_S = float("inf")
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowAdvert(Message):
+    """Distance vector: my least cost to each target data holder for a NEW flow, and whether I can take one."""
+
+    TYPE = "flow.advert"
+    targets: tuple[str, ...]
+    costs_s: tuple[float, ...]  # aligned with targets; inf when no downstream capacity
+    has_capacity: bool
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowRequest(Message):
+    """Reserve one slot of flow (origin, flow_id) at the receiver; `up_s` is the sender's cost so far."""
+
+    TYPE = "flow.request"
+    origin: str
+    flow_id: int
+    up_s: float
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowResponse(Message):
+    """Answer to a FlowRequest. Accept: `down_s` is the receiver's cost back to the origin.
+
+    Reject: `cost_s` / `has_capacity` refresh the requester's view of the receiver.
+    """
+
+    TYPE = "flow.response"
+    origin: str
+    flow_id: int
+    accepted: bool
+    down_s: float = 0.0
+    last: str = ""  # the flow's last relay (the data holder records it as its prev)
+    cost_s: float = INF_COST_S
+    has_capacity: bool = False
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowCancel(Message):
+    """Upstream -> downstream: release this flow (and pass the cancel on)."""
+
+    TYPE = "flow.cancel"
+    origin: str
+    flow_id: int
+    force: bool = False  # release even if the sender is not the flow's prev (an aborted hand-over)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowPushBack(Message):
+    """Downstream -> upstream: the flow is broken below you; repair it or pass it back."""
+
+    TYPE = "flow.push_back"
+    origin: str
+    flow_id: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowCost(Message):
+    """A cost change along a flow. side="prev": the sender is the receiver's prev and `cost_s` its
+    up cost; side="next": the sender is the receiver's next and `cost_s` its down cost."""
+
+    TYPE = "flow.cost"
+    origin: str
+    flow_id: int
+    side: str
+    cost_s: float
+    last: str = ""  # side="next" after a repair: the flow's (new) last relay, for the data holder
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowSwitch(Message):
+    """Your `side` ("prev" or "next") neighbour on this flow changed from `old` to `new` (the sender).
+
+    `cost_s` is the new neighbour's up cost (side="prev") or down cost (side="next"). A node that
+    handed the flow over forwards the notice to the new holder (`ttl` hops at most).
+    """
+
+    TYPE = "flow.switch"
+    origin: str
+    flow_id: int
+    side: str
+    old: str
+    new: str
+    cost_s: float
+    ttl: int = 3
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowCheck(Message):
+    """Consistency check: "I hold this flow and I am your `side` neighbour on it"; carries my cost.
+
+    side="prev": the sender is the receiver's prev (cost_s = its up cost); side="next": the
+    sender is the receiver's next (cost_s = its down cost). Also refreshes stale costs.
+    """
+
+    TYPE = "flow.check"
+    origin: str
+    flow_id: int
+    side: str
+    cost_s: float
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowCheckFail(Message):
+    """Reply to a FlowCheck that does not match: I do not hold it that way (`holder`: who took it)."""
+
+    TYPE = "flow.check_fail"
+    origin: str
+    flow_id: int
+    side: str  # echo of the check's side
+    holder: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowQuery(Message):
+    """Annealing: same-stage peer, send me your flow table and your link costs to these nodes."""
+
+    TYPE = "flow.query"
+    nodes: tuple[str, ...]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowTable(Message):
+    """A node's stable flows (parallel tuples), its spare capacity, its link costs to queried nodes."""
+
+    TYPE = "flow.table"
+    origins: tuple[str, ...]
+    flow_ids: tuple[int, ...]
+    prevs: tuple[str, ...]
+    nexts: tuple[str, ...]
+    up_prev_s: tuple[float, ...]  # up cost at the prev (route cost before entering me)
+    down_next_s: tuple[float, ...]  # down cost at the next (route cost after leaving me)
+    link_prev_s: tuple[float, ...]  # d(prev, me)
+    link_next_s: tuple[float, ...]  # d(me, next)
+    spare: int
+    link_nodes: tuple[str, ...]
+    link_costs_s: tuple[float, ...]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowPropose(Message):
+    """Annealing move. kind="redirect": I take your flow (origin, flow_id).
+
+    kind="exchange": I take yours and you take mine (my_origin, my_flow_id), whose neighbours and
+    outer costs follow so you can install it.
+    """
+
+    TYPE = "flow.propose"
+    kind: str
+    origin: str
+    flow_id: int
+    expect_prev: str
+    expect_next: str
+    my_origin: str = ""
+    my_flow_id: int = -1
+    my_prev: str = ""
+    my_next: str = ""
+    my_up_prev_s: float = 0.0
+    my_down_next_s: float = 0.0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowRespond(Message):
+    """Answer to a FlowPropose; on accept, the handed-over flow's neighbours and outer costs."""
+
+    TYPE = "flow.respond"
+    accepted: bool
+    origin: str
+    flow_id: int
+    prev: str = ""
+    next: str = ""
+    up_prev_s: float = 0.0
+    down_next_s: float = 0.0

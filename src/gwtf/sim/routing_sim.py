@@ -1,0 +1,251 @@
+"""Routing-only simulation: one `FlowAgent` per node of an `Instance`, driven on the DES engine.
+
+Owns: `RoutingSim`, which delivers the agents' messages with delay = one-way latency +
+bytes / bandwidth between the two nodes' regions (a constant size per control message), fires
+their timers, tells each agent its prev / same / next-stage neighbours at start (with the true
+link as if measured: both directions averaged, so the agent's d(i,j) equals the instance's), runs
+until the routes stop changing for `stable_ticks` ticks (or a virtual time limit), extracts the
+routes by following every data holder's flows, and crashes relays silently (messages to them are
+lost; their neighbours get `on_peer_down` after `detection_delay_s` + latency).
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gwtf.config import FlowConfig
+from gwtf.flow.instance import Instance, NodeSpec, Route
+from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
+from gwtf.protocol.flow import FlowAgent
+from gwtf.protocol.router import LinkEstimate, PeerInfo
+from gwtf.sim.engine import Engine
+
+CONTROL_MESSAGE_BYTES = 200
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingOutcome:
+    """Where a run (or a re-run after a crash) ended."""
+
+    routes: tuple[Route, ...]
+    converged: bool  # the routes stopped changing before the time limit
+    converged_at_s: float  # virtual time of the last route change (relative to the run's start)
+    messages: int  # messages sent during this run
+    end_s: float  # virtual time when the run stopped
+    flow_reached_at_s: float | None = None  # first time the flow hit `target_flow` (if asked)
+
+
+def peer_info(spec: NodeSpec) -> PeerInfo:
+    return PeerInfo(spec.id, spec.stage, spec.region, spec.compute_s, spec.capacity, spec.demand)
+
+
+class RoutingSim:
+    """Seeded, deterministic driver of the decentralized flow protocol over one instance."""
+
+    def __init__(
+        self,
+        instance: Instance,
+        cfg: FlowConfig | None = None,
+        seed: int = 0,
+        message_bytes: int = CONTROL_MESSAGE_BYTES,
+        detection_delay_s: float = 1.0,
+        stable_ticks: int = 20,
+    ) -> None:
+        self.instance = instance
+        self.cfg = cfg or FlowConfig()
+        self.seed = seed
+        self.message_bytes = message_bytes
+        self.detection_delay_s = detection_delay_s
+        self.stable_ticks = stable_ticks
+        self.engine = Engine()
+        self.dead: set[NodeId] = set()
+        self.messages = 0
+        self._delay: dict[tuple[str, str], float] = {}
+        self._timers: dict[tuple[NodeId, Any], int] = {}
+        self.agents: dict[NodeId, FlowAgent] = {
+            n.id: FlowAgent(
+                peer_info(n), instance.stages, instance.activation_bytes, self.cfg,
+                random.Random(f"gwtf-route/{seed}/{n.id}"),
+            )
+            for n in instance.nodes
+        }
+        self._started = False
+
+    # ------------------------------------------------------------------------------ public
+
+    def run(self, time_limit_s: float = 600.0, target_flow: int | None = None) -> RoutingOutcome:
+        """Start (first call) and run until the routes are stable or `time_limit_s` more virtual s."""
+        if not self._started:
+            self._start()
+        start_s, msgs0 = self.engine.now, self.messages
+        state = _Monitor(start_s, self.routes(), target_flow)
+        tick_s = self.cfg.tick_s
+        stable_s = self.stable_ticks * tick_s
+
+        def monitor() -> None:
+            routes = self.routes()
+            state.observe(self.engine.now, routes)
+            if state.routes and self.engine.now - state.last_change_s >= stable_s:
+                state.done = True
+            elif not state.routes and self.engine.now - start_s >= 3 * stable_s:
+                state.done = True
+            else:
+                self.engine.after(tick_s, monitor)
+
+        self.engine.after(tick_s, monitor)
+        self.engine.run(until_s=start_s + time_limit_s, stop=lambda: state.done)
+        reached = None if state.reached_s is None else state.reached_s - start_s
+        return RoutingOutcome(
+            tuple(sorted(state.routes)), state.done, state.last_change_s - start_s,
+            self.messages - msgs0, self.engine.now - start_s, reached,
+        )
+
+    def crash(self, fraction: float, rng: random.Random) -> list[NodeId]:
+        """Crash `fraction` of the live relays now (at least one survivor per stage); returns them."""
+        by_stage: dict[int, list[NodeId]] = {}
+        for n in self.instance.nodes:
+            if n.stage > 0 and n.id not in self.dead:
+                by_stage.setdefault(n.stage, []).append(n.id)
+        relays = sorted(nid for ids in by_stage.values() for nid in ids)
+        want = round(fraction * len(relays))
+        victims: list[NodeId] = []
+        for nid in rng.sample(relays, len(relays)):
+            if len(victims) >= want:
+                break
+            stage = self.instance.by_id[nid].stage
+            if len(by_stage[stage]) > 1:
+                by_stage[stage].remove(nid)
+                victims.append(nid)
+        for v in victims:
+            self.dead.add(v)
+        for v in victims:
+            for n in self._neighbours(v):
+                delay = self.detection_delay_s + self.instance.latency_s(n, v)
+                self.engine.after(delay, self._peer_down, n, v)
+        return victims
+
+    def surviving_instance(self) -> Instance:
+        """The instance without crashed nodes (for the post-crash optimum)."""
+        inst = self.instance
+        nodes = tuple(n for n in inst.nodes if n.id not in self.dead)
+        return Instance(nodes=nodes, stages=inst.stages, network=inst.network, activation_bytes=inst.activation_bytes)
+
+    def routes(self) -> list[Route]:
+        """Complete routes, following every live data holder's established flows hop by hop."""
+        out: list[Route] = []
+        stages = self.instance.stages
+        for dh in self.instance.by_stage[0]:
+            agent = self.agents[dh]
+            if dh in self.dead:
+                continue
+            for key, e in agent.flows.items():
+                if e.pending or e.next is None:
+                    continue
+                route, prev, node = [dh], dh, e.next
+                for _ in range(1, stages):
+                    f = None if node in self.dead else self.agents[node].flows.get(key)
+                    if f is None or f.pending or f.prev != prev or f.next is None:
+                        break
+                    route.append(node)
+                    prev, node = node, f.next
+                else:
+                    if node == dh:
+                        out.append(tuple(route))
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a live agent holds more flows than its capacity."""
+        for nid, a in self.agents.items():
+            if nid in self.dead:
+                continue
+            limit = min(a.me.demand, a.me.capacity) if a.is_dh else a.me.capacity
+            if len(a.flows) > limit or a.load > a.me.capacity:
+                raise AssertionError(f"{nid} holds {len(a.flows)} flows (+{a.reserved} reserved), limit {limit}")
+
+    # ---------------------------------------------------------------------------- driving
+
+    def _start(self) -> None:
+        self._started = True
+        inst = self.instance
+        for n in inst.nodes:
+            agent = self.agents[n.id]
+            for peer in self._neighbours(n.id):
+                self._apply(n.id, agent.on_peer_up(peer_info(inst.by_id[peer]), self._link(n.id, peer), 0.0))
+        for n in inst.nodes:
+            self._apply(n.id, self.agents[n.id].on_start(0.0))
+
+    def _neighbours(self, nid: NodeId) -> list[NodeId]:
+        inst = self.instance
+        s, k = inst.by_id[nid].stage, inst.stages
+        stages = sorted({(s - 1) % k, s, (s + 1) % k})
+        return [p for st in stages for p in inst.by_stage[st] if p != nid and p not in self.dead]
+
+    def _link(self, a: NodeId, b: NodeId) -> LinkEstimate:
+        inst = self.instance
+        lat = (inst.latency_s(a, b) + inst.latency_s(b, a)) / 2.0
+        bw = (inst.bandwidth_bytes_per_s(a, b) + inst.bandwidth_bytes_per_s(b, a)) / 2.0
+        return LinkEstimate(lat, bw)
+
+    def _delay_s(self, a: NodeId, b: NodeId) -> float:
+        ra, rb = self.instance.by_id[a].region, self.instance.by_id[b].region
+        d = self._delay.get((ra, rb))
+        if d is None:
+            net = self.instance.network
+            d = net.latency_s(ra, rb) + self.message_bytes / net.bandwidth_bytes_per_s(ra, rb)
+            self._delay[(ra, rb)] = d
+        return d
+
+    def _apply(self, nid: NodeId, effects: Sequence[Any]) -> None:
+        engine = self.engine
+        for eff in effects:
+            kind = type(eff)
+            if kind is Send:
+                self.messages += 1
+                engine.after(self._delay_s(nid, eff.to), self._receive, nid, eff.to, eff.msg)
+            elif kind is SetTimer:
+                tkey = (nid, eff.key)
+                old = self._timers.get(tkey)
+                if old is not None:
+                    engine.cancel(old)
+                self._timers[tkey] = engine.schedule(eff.at, self._fire, nid, eff.key)
+            elif kind is CancelTimer:
+                old = self._timers.pop((nid, eff.key), None)
+                if old is not None:
+                    engine.cancel(old)
+
+    def _receive(self, src: NodeId, dst: NodeId, msg: Message) -> None:
+        if dst not in self.dead:
+            self._apply(dst, self.agents[dst].on_message(src, msg, self.engine.now))
+
+    def _fire(self, nid: NodeId, key: Any) -> None:
+        self._timers.pop((nid, key), None)
+        if nid not in self.dead:
+            self._apply(nid, self.agents[nid].on_timer(key, self.engine.now))
+
+    def _peer_down(self, nid: NodeId, peer: NodeId) -> None:
+        if nid not in self.dead:
+            self._apply(nid, self.agents[nid].on_peer_down(peer, self.engine.now))
+
+
+class _Monitor:
+    """Tracks the last route change of a run."""
+
+    def __init__(self, start_s: float, routes: list[Route], target_flow: int | None) -> None:
+        self.routes = sorted(routes)
+        self.last_change_s = start_s
+        self.target_flow = target_flow
+        self.reached_s: float | None = None
+        self.done = False
+
+    def observe(self, now: float, routes: list[Route]) -> None:
+        routes = sorted(routes)
+        if routes != self.routes:
+            self.routes = routes
+            self.last_change_s = now
+        if self.reached_s is None and self.target_flow is not None and len(routes) >= self.target_flow:
+            self.reached_s = now
