@@ -151,6 +151,35 @@ class FlowConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ProtocolConfig:
+    """NodeCore's churn-handling knobs: failure detection, deadlines, checkpoints (docs/protocol.md)."""
+
+    router: Literal["greedy", "flow"] = "greedy"  # next-hop choice: protocol.simple_router or protocol.flow
+    heartbeat_period_s: float = 2.0  # node -> leader heartbeats; leader -> node acks
+    suspect_after_s: float = 6.0  # no word from the leader this long: suspect it (log)
+    evict_after_s: float = 12.0  # leader: silent node declared dead; node: leader declared dead
+    deadline_multiplier: float = 3.0  # ack deadline = multiplier x EMA of the observed ack delay
+    deadline_floor_s: float = 2.0  # ... but never below this
+    ema_alpha: float = 0.3  # weight of a new observation in every moving average
+    mb_deadline_multiplier: float = 4.0  # data holder: restart a microbatch after this x EMA round trip
+    mb_deadline_floor_s: float = 60.0  # ... but never before this
+    retry_period_s: float = 1.0  # parked work (no live next hop) is retried this often
+    partition_timeout_s: float = 60.0  # a node that cannot reach any leader this long stops
+    checkpoint_every: int = 10  # iterations between (modelled) checkpoints; a lost stage rolls back to one
+
+    def __post_init__(self) -> None:
+        for key in ("heartbeat_period_s", "suspect_after_s", "evict_after_s", "deadline_floor_s",
+                    "mb_deadline_floor_s", "retry_period_s", "partition_timeout_s"):
+            _require(getattr(self, key) > 0, f"protocol.{key}", "must be > 0")
+        _require(self.deadline_multiplier >= 1.0, "protocol.deadline_multiplier", "must be >= 1")
+        _require(self.mb_deadline_multiplier >= 1.0, "protocol.mb_deadline_multiplier", "must be >= 1")
+        _require(0.0 < self.ema_alpha <= 1.0, "protocol.ema_alpha", "must be in (0, 1]")
+        _require(self.evict_after_s > self.heartbeat_period_s, "protocol.evict_after_s",
+                 "must be > protocol.heartbeat_period_s")
+        _require(self.checkpoint_every >= 1, "protocol.checkpoint_every", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """The root of the config tree."""
 
@@ -159,6 +188,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
 
 # --------------------------------------------------------------------------------------------
