@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from ortools.graph.python import max_flow
+from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from gwtf.flow.instance import Instance, Route, RouteStats, evaluate_routes
@@ -418,6 +419,39 @@ def enumerate_paths(graph: ClassGraph, cap_s: float, limit: int) -> list[tuple[f
     return out
 
 
+class _PathLP:
+    """LP relaxation (GLOP) of the path packing, built once; `carries(n)` uses the n cheapest paths.
+
+    False from `carries` proves that no integer routing on those paths carries `flow`.
+    """
+
+    def __init__(self, graph: ClassGraph, paths: list[tuple[float, ClassPath]], flow: int) -> None:
+        self.flow = flow
+        self.solver = pywraplp.Solver.CreateSolver("GLOP")
+        self.ys = [self.solver.NumVar(0.0, float(flow), f"y{i}") for i in range(len(paths))]
+        rows: dict[tuple[int, int], pywraplp.Constraint] = {}
+        objective = self.solver.Objective()
+        for y, (_, path) in zip(self.ys, paths):
+            objective.SetCoefficient(y, 1.0)
+            for k, c in enumerate(path):
+                if (k, c) not in rows:
+                    rows[(k, c)] = self.solver.Constraint(0.0, float(graph.capacity[k][c]))
+                rows[(k, c)].SetCoefficient(y, 1.0)
+        objective.SetMaximization()
+
+    def carries(self, count: int) -> bool | None:
+        """False: provably infeasible; True: an integral LP vertex carries the flow; None: unknown."""
+        for i, y in enumerate(self.ys):
+            y.SetUb(float(self.flow) if i < count else 0.0)
+        if self.solver.Solve() != pywraplp.Solver.OPTIMAL:
+            return None
+        if self.solver.Objective().Value() < self.flow - 1e-6:
+            return False
+        values = [y.solution_value() for y in self.ys[:count]]
+        integral = all(abs(v - round(v)) <= 1e-9 for v in values)
+        return True if integral and sum(round(v) for v in values) >= self.flow else None
+
+
 def _cpsat(graph: ClassGraph, paths: list[tuple[float, ClassPath]], flow: int,
            minimise_sum: bool, time_limit_s: float) -> dict[ClassPath, int] | None:
     """Integer multiplicities on `paths` carrying `flow` within class capacities (None: infeasible)."""
@@ -452,10 +486,14 @@ def exact_groups(graph: ClassGraph, flow: int, paths: list[tuple[float, ClassPat
     costs = sorted({c for c, _ in paths})
     lo = max(0, int(np.searchsorted(costs, lo_s - 1e-9 * max(1.0, lo_s))) - 1)
     hi = len(costs) - 1  # feasible: the heuristic's routes are among the paths
+    lp = _PathLP(graph, paths, flow)
     while lo < hi:
         mid = (lo + hi) // 2
         within = [p for p in paths if p[0] <= costs[mid]]
-        if _cpsat(graph, within, flow, False, time_limit_s) is None:
+        verdict = lp.carries(len(within))
+        if verdict is None:
+            verdict = _cpsat(graph, within, flow, False, time_limit_s) is not None
+        if not verdict:
             lo = mid + 1
         else:
             hi = mid
