@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 
 from gwtf.cli import add_config_arguments
-from gwtf.config import load_config
+from gwtf.config import Config, load_config
 
 __all__ = ["add_arguments", "run"]
 
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg: Config = load_config(args.config, args.overrides)
     data = dataclasses.replace(cfg.data, source=args.source) if args.source else cfg.data
     from gwtf.model.data import load_dataset, resolve_cache_dir  # torch import only when needed
 

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config, args.overrides)
+    cfg: Config = load_config(args.config, args.overrides)
     train = cfg.train
     if args.iterations is not None:
         train = dataclasses.replace(train, iterations=args.iterations)

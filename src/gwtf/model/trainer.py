@@ -320,6 +320,18 @@ def _restore(
     return ckpt.iteration, float(ckpt.meta.get("elapsed_s", 0.0))
 
 
+def _metrics_row(
+    t: int, stats: IterationStats, previous: list[dict[str, Any]], time_s: float, iteration_s: float
+) -> dict[str, Any]:
+    return {
+        "iteration": t, "loss": stats.loss, "tokens": stats.tokens,
+        "tokens_total": (previous[-1]["tokens_total"] if previous else 0) + stats.tokens,
+        "time_s": round(time_s, 4), "lr": stats.lr,
+        "tokens_per_s": round(stats.tokens / max(iteration_s, 1e-9), 1),
+        "grad_norms": [round(n, 6) for n in stats.grad_norms],
+    }
+
+
 def train_local(
     cfg: Config, out_dir: str | Path, *, resume: bool = False, stop_after: int | None = None,
     on_iteration: OnIteration | None = None, say: Callable[[str], None] | None = None,
@@ -359,13 +371,7 @@ def train_local(
             dt = time.monotonic() - t_it
             completed = t + 1
             last = completed == tc.iterations
-            row: dict[str, Any] = {
-                "iteration": t, "loss": stats.loss, "tokens": stats.tokens,
-                "tokens_total": (metrics[-1]["tokens_total"] if metrics else 0) + stats.tokens,
-                "time_s": round(elapsed0 + time.monotonic() - t0, 4), "lr": stats.lr,
-                "tokens_per_s": round(stats.tokens / max(dt, 1e-9), 1),
-                "grad_norms": [round(n, 6) for n in stats.grad_norms],
-            }
+            row = _metrics_row(t, stats, metrics, elapsed0 + time.monotonic() - t0, dt)
             if last or (tc.eval_every and completed % tc.eval_every == 0):
                 row["val_loss"] = evaluate(stages, val_batches)
             metrics.append(row)
