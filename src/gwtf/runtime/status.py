@@ -5,8 +5,9 @@ Owns the files under `DIR/nodes/<name>/`:
   `runtime.status_period_s`; readers never see a half-written file.
 - `records.jsonl`: one JSON object per line, appended and flushed line by line, so a `kill -9`
   loses at most the line being written (readers skip a torn last line). It holds the protocol
-  core's `Record` effects plus the driver's own records (`loss`, `step`, `fault`, ...), each with
-  `t_s` (seconds since the node started) and `node`.
+  core's `Record` effects plus the driver's own records (`loss`, `stepped`, `fault`, ...), each
+  with `t_s` (seconds since the node started), `unix_s` (wall clock, for one machine's launcher)
+  and `me` (the writing node's id; a record's own `node` field is the core's and is kept).
 - `stdout.log`: everything the node printed (the launcher reads the READY line from it).
 And `render_table`, the rich table of all nodes (node, stage, region, state, microbatches in
 flight, last loss, tokens/s, crashes/joins).

@@ -53,6 +53,7 @@ class _Saved:
     leaf: Tensor | None  # None at the data holder's embedding (tokens are not differentiable)
     output: Tensor
     targets: Tensor | None = None  # data holders: the microbatch's targets, for the loss
+    iteration: int = -1  # for dropping graphs of finished iterations
 
 
 class StageWorker:
@@ -90,6 +91,11 @@ class StageWorker:
             self.store.pop(key, None)
             self._saved.pop(key, None)
 
+    def drop_graphs_before(self, iteration: int) -> None:
+        """Forget autograd graphs of iterations <= `iteration` (microbatches rerouted elsewhere)."""
+        for key in [k for k, s in self._saved.items() if 0 <= s.iteration <= iteration]:
+            del self._saved[key]
+
     def clear(self) -> None:
         """Drop every tensor and graph (iteration end after the step)."""
         self.store.clear()
@@ -107,7 +113,7 @@ class StageWorker:
         tokens, targets = self.dataset.microbatch(self.shard, iteration, index)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         out = first.embed(tokens)
-        self._saved[mb] = _Saved(leaf=None, output=out, targets=targets)
+        self._saved[mb] = _Saved(leaf=None, output=out, targets=targets, iteration=iteration)
         self.store[out_key] = out.detach()
         return int(tokens.numel())
 
@@ -115,7 +121,8 @@ class StageWorker:
         """Relay: activation `in_key` -> this stage's blocks -> activation `out_key`."""
         leaf = self.store[in_key].detach().requires_grad_(True)
         out = self.module(leaf)
-        self._saved[mb] = _Saved(leaf=leaf, output=out)
+        it = out_key[2] if isinstance(out_key, tuple) and len(out_key) > 2 and isinstance(out_key[2], int) else -1
+        self._saved[mb] = _Saved(leaf=leaf, output=out, iteration=it)
         self.store[out_key] = out.detach()
 
     def loss(self, mb: Hashable, in_key: TensorKey, grad_key: TensorKey) -> float:

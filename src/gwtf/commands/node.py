@@ -1,0 +1,84 @@
+"""`gwtf node`: run one node process (data holder or relay) over TCP.
+
+Owns the command's flags: process identity only (listen/join addresses, role, stage, region, data
+shard, device, output folder, name); every algorithm knob is a config field (`--config`, `--set`).
+The node itself is `gwtf.runtime.node`. Prints one `READY {json}` line when it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import secrets
+from pathlib import Path
+
+from gwtf.cli import add_config_arguments
+from gwtf.config import load_config
+from gwtf.errors import UserError
+
+__all__ = ["add_arguments", "run"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:0",
+                        help="address to listen on (port 0 = any free port; default 127.0.0.1:0)")
+    parser.add_argument("--join", metavar="HOST:PORT", help="any live node of the swarm (omit for the first node)")
+    parser.add_argument("--role", choices=("data-holder", "relay"), default="relay")
+    parser.add_argument("--stage", default="auto", help="'auto' (joiners: the bottleneck stage) or a stage number")
+    parser.add_argument("--region", default="local", help="region name (WAN emulation looks it up)")
+    parser.add_argument("--shard", type=int, metavar="K", help="data holders: data shard 0..D-1 (default: from --name)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--name", help="short node name (default: random); the node id adds region and address")
+    parser.add_argument("--wan", metavar="NETWORK", help="shorthand for --set runtime.wan=NETWORK (e.g. geo10)")
+    parser.add_argument("--out", metavar="DIR", default="runs/swarm", help="output folder (DIR/nodes/<name>/)")
+    add_config_arguments(parser)
+
+
+def _stage(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise UserError(f"--stage must be 'auto' or a stage number, got {text!r}")
+    return int(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides) + ([f'runtime.wan="{args.wan}"'] if args.wan else [])
+    cfg = load_config(args.config, overrides)
+    from gwtf.runtime.node import NodeIdentity, run_node  # torch/asyncio only once we really run
+    from gwtf.runtime.transport import parse_addr
+
+    for flag, addr in (("--listen", args.listen.replace(":0", ":1") if args.listen.endswith(":0") else args.listen),
+                       ("--join", args.join)):
+        if addr:
+            try:
+                parse_addr(addr)
+            except ValueError as exc:
+                raise UserError(f"{flag}: {exc}") from None
+    name = args.name or f"n{secrets.token_hex(3)}"
+    if not _NAME.match(name):
+        raise UserError(f"--name {name!r}: use 1-40 letters, digits, '_', '.', '-'")
+    stage = _stage(args.stage)
+    if stage is not None and not 0 <= stage < cfg.model.stages:
+        raise UserError(f"--stage {stage} is outside 0..{cfg.model.stages - 1} (model.stages)")
+    if args.role == "data-holder":
+        stage = 0
+    shard = args.shard
+    if args.role == "data-holder" and shard is None:
+        digits = re.findall(r"\d+", name)
+        shard = int(digits[-1]) if digits else 0
+    if shard is not None and not 0 <= shard < cfg.train.data_holders:
+        raise UserError(f"--shard {shard} is outside 0..{cfg.train.data_holders - 1} (train.data_holders)")
+    ident = NodeIdentity(
+        name=name, role=args.role, stage=stage, region=args.region, shard=shard, listen=args.listen,
+        join=args.join, device=args.device, out_dir=Path(args.out),
+    )
+    if cfg.runtime.wan:
+        from gwtf.flow.network import load_network
+
+        net = load_network(cfg.runtime.wan)
+        if args.region not in net.regions:
+            raise UserError(f"--region {args.region!r} is not in network {cfg.runtime.wan} ({', '.join(net.regions)})")
+    return run_node(cfg, ident)

@@ -1,0 +1,125 @@
+"""`gwtf swarm`: a local swarm of node processes on loopback, with churn and a live table.
+
+Owns the command's flags (output folder, replicas per relay stage, churn level, WAN emulation,
+iterations, overall timeout) and the display loop: a live rich table on a terminal, one progress
+line every few seconds otherwise. The processes, churn and metrics are `gwtf.runtime.swarm`.
+Every node process started here is killed when this command ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from gwtf.cli import add_config_arguments
+from gwtf.config import Config, load_config, write_resolved
+from gwtf.errors import UserError
+
+__all__ = ["add_arguments", "run", "run_swarm"]
+
+POLL_S = 0.2  # display / churn polling period
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="DIR", default="runs/swarm", help="output folder (default: runs/swarm)")
+    parser.add_argument("--replicas", type=int, default=2, metavar="R", help="replicas of every relay stage")
+    parser.add_argument("--churn", choices=("none", "low", "high"), default="none",
+                        help="kill -9 relays at seeded random moments and start joiners")
+    parser.add_argument("--wan", metavar="NETWORK", help="emulate a WAN region table on loopback (e.g. geo10)")
+    parser.add_argument("--iterations", type=int, metavar="K", help="shorthand for --set train.iterations=K")
+    parser.add_argument("--timeout-s", type=float, default=0.0, metavar="S",
+                        help="give up after S seconds (default: 120 + 30 per iteration)")
+    add_config_arguments(parser)
+
+
+def _options(args: argparse.Namespace) -> tuple[Config, object]:
+    from gwtf.runtime.swarm import SwarmOptions
+
+    overrides = list(args.overrides)
+    if args.iterations is not None:
+        overrides.append(f"train.iterations={args.iterations}")
+    regions: tuple[str, ...] = ("local",)
+    if args.wan:
+        from gwtf.flow.network import load_network
+
+        overrides.append(f'runtime.wan="{args.wan}"')
+        regions = load_network(args.wan).regions
+    cfg = load_config(args.config, overrides)
+    if args.replicas < 1:
+        raise UserError("--replicas must be >= 1")
+    timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
+    opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
+                        regions=regions, config_path=args.config, overrides=tuple(overrides))
+    return cfg, opts
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, opts = _options(args)
+    return run_swarm(cfg, opts)
+
+
+def _sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # the Swarm context manager kills every node on the way out
+
+
+def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
+    """Start, watch and finish a local swarm; returns the exit code (1 on timeout)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from gwtf.model.plots import plot_loss
+    from gwtf.runtime.launcher import NodeStartError
+    from gwtf.runtime.status import render_table
+    from gwtf.runtime.swarm import Swarm, SwarmOptions
+
+    assert isinstance(opts, SwarmOptions)
+    console = Console(stderr=True)
+    signal.signal(signal.SIGTERM, _sigterm)
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    write_resolved(cfg, opts.out_dir)
+    deadline = time.monotonic() + opts.timeout_s
+    with Swarm(cfg, opts, say=lambda s: console.print(s)) as swarm:
+        try:
+            swarm.start()
+        except NodeStartError as exc:
+            console.print(str(exc), markup=False)
+            raise UserError(f"swarm did not start: {str(exc).splitlines()[0]}") from None
+        live_table = console.is_terminal
+        last_line = 0.0
+        with Live(render_table(swarm.table_rows(), title), console=console, auto_refresh=False,
+                  transient=False) if live_table else _NoLive() as live:
+            while not swarm.finished() and time.monotonic() < deadline:
+                for row in swarm.step():
+                    if not live_table and time.monotonic() - last_line > 3.0:
+                        last_line = time.monotonic()
+                        console.print(f"iteration {row['iteration'] + 1}/{cfg.train.iterations} "
+                                      f"loss {row['loss']:.4f} tok/s {row['tokens_per_s']:.0f} "
+                                      f"crashes {row['crashes']} joins {row['joins']}")
+                if live_table:
+                    live.update(render_table(swarm.table_rows(), title), refresh=True)
+                time.sleep(POLL_S)  # display refresh period, not synchronisation
+        rows = swarm.metrics.rows
+        if rows:
+            plot_loss(rows, opts.out_dir / "loss.png", title=title)
+        if not swarm.finished():
+            console.print(f"[red]timeout[/]: {len(rows)}/{cfg.train.iterations} iterations in {opts.timeout_s:.0f}s")
+            return 1
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    print(f"done: {len(rows)} iterations, loss {first:.4f} -> {last:.4f}, crashes {swarm.crashes}, "
+          f"joins {swarm.joins}; outputs in {opts.out_dir} (metrics.jsonl, loss.png, nodes/)")
+    return 0
+
+
+class _NoLive:
+    def __enter__(self) -> _NoLive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, *a: object, **k: object) -> None:
+        return None
+

@@ -1,0 +1,313 @@
+"""The seam between the node driver and NodeCore: compute effects -> torch jobs, keys -> tensors.
+
+Owns `Host`, which holds one node's `NodeCore` and `StageWorker` and implements the driver
+contract of docs/protocol.md without any protocol logic:
+- a tensor-carrying message names its tensor by `msg.key`: outgoing, the stored tensor under that
+  key is attached; incoming, the received array is stored under it;
+- a `Compute(kind, inputs, outputs)` runs the matching worker job on the named keys (embed,
+  forward, loss, backward, embed_backward, export_grad, step, reset_grad, export_state,
+  import_state, load_checkpoint) and is answered with `core.on_compute_done(job_id, now)`;
+- `FreeIteration(t)` drops every tensor whose key's iteration (key[2]) is <= t;
+- the counts a step needs (microbatches behind each contributor's gradient) come from the
+  `GradShare` messages and this replica's own backward count, so the worker can rescale a
+  stage's gradient when microbatches were dropped.
+`Host.compute` runs on the torch thread; everything else on the event loop.
+
+Checkpoints (for a stage whose every replica died): after each step whose version is a
+multiple of `protocol.checkpoint_every`, every replica writes the same bytes to
+`DIR/checkpoints/stage<k>/v<version>.safetensors` (atomic rename; on one machine the folder is
+shared, across machines each host keeps its own). Version 0 is the seeded initial model.
+
+Must not import asyncio or socket.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from gwtf.config import Config
+from gwtf.model.data import TokenDataset, load_dataset
+from gwtf.model.presets import ModelSpec, model_spec
+from gwtf.model.tokenizer import vocab_size_for
+from gwtf.protocol.base import Message, NodeId
+from gwtf.protocol.core import NodeCore, TrainParams
+from gwtf.protocol.membership import from_tuple
+from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record, Welcome, record
+from gwtf.protocol.router import PeerInfo
+from gwtf.runtime.worker import StageWorker, tensor_to_numpy
+
+if TYPE_CHECKING:
+    from gwtf.runtime.node import NodeIdentity
+
+DONE_EVENTS = frozenset({"training_done", "done", "self_stop"})
+CRASH_EVENTS = frozenset({"evict", "leader_lost"})
+JOIN_EVENTS = frozenset({"join_stage", "member_join", "activate"})
+ACTIVE_EVENTS = frozenset({"activated"})
+
+
+def init_torch_thread(threads: int) -> None:
+    """Runs first on the torch thread: thread count (several nodes share a machine)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+def is_record(eff: Any) -> bool:
+    return isinstance(eff, Record)
+
+
+def record_of(eff: Record) -> tuple[str, dict[str, Any]]:
+    return eff.event, dict(eff.fields)
+
+
+def is_compute(eff: Any) -> bool:
+    return isinstance(eff, Compute)
+
+
+def job_id(eff: Compute) -> int:
+    return eff.job_id
+
+
+def fault_point(eff: Compute) -> tuple[str, int | None, int | None, int]:
+    """(point, iteration, microbatch index, stage) of a compute effect, for fault matching."""
+    if eff.mb is not None:
+        return eff.kind, int(eff.mb[1]), int(eff.mb[2]), eff.stage
+    it = None
+    for key in eff.inputs + eff.outputs:
+        if len(key) > 2 and isinstance(key[2], int):
+            it = int(key[2])
+    return ("aggregate" if eff.kind in ("export_grad", "step") else eff.kind), it, None, eff.stage
+
+
+@dataclass(slots=True)
+class ComputeResult:
+    """What a finished job reports back: records to log (e.g. the loss)."""
+
+    records: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+class Host:
+    """One node's core + worker (see the module docstring)."""
+
+    def __init__(self, cfg: Config, ident: NodeIdentity, node_id: NodeId, core: NodeCore, spec: ModelSpec,
+                 dataset: TokenDataset | None, device: str) -> None:
+        self.cfg = cfg
+        self.ident = ident
+        self.node_id = node_id
+        self.core = core
+        self.spec = spec
+        self.dataset = dataset
+        self.device = device
+        self.worker: StageWorker | None = None
+        self.grad_counts: dict[Hashable, int] = {}
+        self.ckpt_dir = Path(ident.out_dir) / "checkpoints"
+        if ident.stage is not None:
+            self.worker = self._make_worker(ident.stage)
+
+    @property
+    def planned_stage(self) -> int | None:
+        return self.ident.stage
+
+    @classmethod
+    def create(cls, cfg: Config, ident: NodeIdentity, node_id: NodeId) -> Host:
+        """Build dataset (data holders), model spec, worker and core (on the torch thread)."""
+        device = resolve_device(ident.device)
+        dataset = None
+        if ident.role == "data-holder":
+            dataset = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders)
+            vocab = dataset.vocab_size
+        else:
+            vocab = vocab_size_of(cfg)
+        spec = model_spec(cfg.model, vocab)
+        train = train_params(cfg, spec)
+        bootstrap = ident.join is None
+        stage = ident.stage if ident.stage is not None else -1
+        me = PeerInfo(id=node_id, stage=stage if bootstrap else -1, region=ident.region,
+                      compute_s=1.0, capacity=max(1, cfg.train.microbatches),
+                      demand=cfg.train.microbatches if ident.role == "data-holder" else 0)
+        seed = zlib.crc32(node_id.encode()) ^ cfg.train.seed
+        core = RuntimeNodeCore(me, cfg.protocol, train, random.Random(seed))
+        core.fixed_stage = None if bootstrap or stage < 0 else stage
+        return cls(cfg, ident, node_id, core, spec, dataset, device)
+
+    @property
+    def stage(self) -> int | None:
+        s = self.core.me.stage
+        return s if s >= 0 else None
+
+    def start(self, now: float, contact: NodeId | None) -> list[Any]:
+        known = [] if contact is None else [PeerInfo(id=contact, stage=-1, region="?", compute_s=1.0, capacity=1)]
+        return list(self.core.on_start(now, known))
+
+    def in_flight(self) -> int:
+        return len(getattr(self.core, "legs", {})) + sum(
+            1 for o in getattr(self.core, "origins", {}).values() if getattr(o, "phase", "done") != "done")
+
+    # -- tensors ------------------------------------------------------------------------------
+
+    def tensors_for(self, msg: Message) -> list[np.ndarray]:
+        key = getattr(msg, "key", None)
+        if not key or self.worker is None or key not in self.worker.store:
+            return []
+        return [self.worker.to_numpy(key)]
+
+    def store_tensors(self, msg: Message, tensors: list[np.ndarray]) -> None:
+        key = getattr(msg, "key", None)
+        if not tensors:
+            return
+        if not key or len(tensors) != 1:
+            raise ValueError(f"{len(tensors)} tensors on a message without a single key")
+        if self.worker is None:
+            if self.core.me.stage < 0:
+                raise ValueError("tensor received before this node has a stage")
+            self.worker = self._make_worker(self.core.me.stage)
+        if isinstance(msg, GradShare):
+            self.grad_counts[key] = msg.count
+        self.worker.put(key, tensors[0])
+
+    def other_effect(self, eff: Any, now: float) -> list[Any]:
+        if isinstance(eff, FreeIteration) and self.worker is not None:
+            w = self.worker
+            drop = [k for k in list(w.store) if isinstance(k, tuple) and len(k) > 2 and isinstance(k[2], int)
+                    and k[2] <= eff.iteration]
+            w.free(drop)
+            w.drop_graphs_before(eff.iteration)
+            for k in [k for k in self.grad_counts if isinstance(k, tuple) and k[2] <= eff.iteration]:
+                del self.grad_counts[k]
+        return []
+
+    # -- compute (torch thread) ---------------------------------------------------------------
+
+    def compute(self, eff: Compute) -> ComputeResult:
+        if self.worker is None or self.worker.stage != eff.stage:
+            self.worker = self._make_worker(eff.stage)
+        w, out = self.worker, ComputeResult()
+        kind, ins, outs = eff.kind, eff.inputs, eff.outputs
+        if kind == "embed":
+            assert eff.mb is not None
+            tokens = w.embed(eff.mb, eff.mb[1], eff.mb[2], outs[0])
+            out.records.append(("tokens", {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
+        elif kind == "forward":
+            w.forward(outs[0], ins[0], outs[0])
+        elif kind == "loss":
+            assert eff.mb is not None
+            loss = w.loss(eff.mb, ins[0], outs[0])
+            tokens = self.cfg.model.microbatch_size * self.cfg.model.seq_len
+            out.records.append(("loss", {"iteration": eff.mb[1], "index": eff.mb[2], "loss": loss, "tokens": tokens}))
+        elif kind == "backward":
+            w.backward(ins[1], ins[2], outs[0])
+        elif kind == "embed_backward":
+            assert eff.mb is not None
+            w.backward(eff.mb, ins[0], None)
+        elif kind == "export_grad":
+            w.store[outs[0]] = w.grads_flat()
+            self.grad_counts[outs[0]] = w.microbatches_accumulated
+        elif kind == "reset_grad":
+            w.zero_grads()
+        elif kind == "step":
+            out.records.append(("stepped", self._step(w, eff)))
+        elif kind == "export_state":
+            w.store[outs[0]] = torch.from_numpy(w.state_blob().copy())
+        elif kind == "import_state":
+            w.load_state_blob(tensor_to_numpy(w.store[ins[0]]))
+        elif kind == "load_checkpoint":
+            self._load_checkpoint(w, outs[0])
+        else:
+            raise ValueError(f"unknown compute kind {kind!r}")
+        return out
+
+    def compute_done(self, eff: Compute, result: ComputeResult, now: float) -> list[Any]:
+        return list(self.core.on_compute_done(eff.job_id, now))
+
+    def _step(self, w: StageWorker, eff: Compute) -> dict[str, Any]:
+        replicas = [(str(k[3]), w.store[k], self.grad_counts.get(k, 0)) for k in eff.inputs]
+        iteration = int(eff.inputs[0][2]) if eff.inputs else -1
+        h = w.step(iteration, replicas) if replicas else w.weights_hash()
+        version = iteration + 1
+        every = self.cfg.protocol.checkpoint_every
+        if version % every == 0:
+            self._save_checkpoint(w, version)
+        return {"iteration": iteration, "stage": w.stage, "hash": h, "version": version,
+                "microbatches": sum(c for _, _, c in replicas)}
+
+    def _save_checkpoint(self, w: StageWorker, version: int) -> None:
+        folder = self.ckpt_dir / f"stage{w.stage}"
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".v{version}.{os.getpid()}.tmp"
+        tmp.write_bytes(w.state_blob().tobytes())
+        os.replace(tmp, folder / f"v{version}.safetensors")
+
+    def _load_checkpoint(self, w: StageWorker, key: Sequence[Any]) -> None:
+        version = int(key[2])
+        if version == 0:
+            fresh = self._make_worker(w.stage)
+            self.worker = fresh
+            return
+        path = self.ckpt_dir / f"stage{w.stage}" / f"v{version}.safetensors"
+        w.load_state_blob(np.frombuffer(path.read_bytes(), dtype=np.uint8))
+
+    def _make_worker(self, stage: int) -> StageWorker:
+        return StageWorker(self.cfg, self.spec, stage, device=self.device, dataset=self.dataset,
+                           shard=self.ident.shard)
+
+
+def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
+    """The core's view of an iteration (sizes and FLOPs; float32 tensors on the wire)."""
+    stages, mb = cfg.model.stages, cfg.model.microbatch_size
+    return TrainParams(
+        stages=stages, microbatches=cfg.train.microbatches, iterations=cfg.train.iterations,
+        activation_bytes=spec.activation_bytes(mb),
+        stage_flops=tuple(spec.stage_flops_per_microbatch(k, stages, mb) for k in range(stages)),
+        stage_state_bytes=tuple(spec.stage_state_bytes(k, stages) for k in range(stages)),
+        stage_grad_bytes=tuple(4 * spec.stage_param_count(k, stages) for k in range(stages)),
+        tokens_per_microbatch=mb * cfg.model.seq_len,
+    )
+
+
+class RuntimeNodeCore(NodeCore):
+    """NodeCore plus one runtime need it lacks (see the report): a node whose stage is fixed by
+    its operator (`--stage K`, data holders: 0) joins through a contact like any joiner, but keeps
+    its stage instead of taking the bottleneck stage. Everything else is NodeCore's.
+    Remove once NodeCore.on_welcome honours a requested stage."""
+
+    fixed_stage: int | None = None
+
+    def on_welcome(self, sender: NodeId, msg: Welcome, now: float) -> list[Any]:
+        if self.fixed_stage is None or self.me.stage >= 0:
+            return super().on_welcome(sender, msg, now)
+        stage = self.fixed_stage
+        speed = getattr(self, "speed_flops_per_s", 1.0)
+        self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / speed)
+        set_me = getattr(self.router, "set_me", None)
+        if set_me is not None:
+            set_me(self.me)
+        self.directory = {p[0]: from_tuple(p) for p in msg.members}
+        self.directory[self.me.id] = self.me
+        self.leader = sender
+        self.last_leader_s = now
+        self.iteration = msg.iteration
+        out: list[Any] = [record("join_stage", node=self.me.id, stage=stage, utilisation=msg.utilisation[stage])]
+        for pid in sorted(self.directory):
+            out += self._peer_up(self.directory[pid], now)
+        return out + self.fetch_state(msg.checkpoint_iteration, now)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine")
+    return device
+
+
+def vocab_size_of(cfg: Config) -> int:
+    """Relays need only the vocabulary size (no data is read)."""
+    return vocab_size_for(cfg.data)

@@ -1,0 +1,330 @@
+"""The node process: the asyncio driver that runs one `NodeCore` over real sockets and torch.
+
+Owns the event loop side of a node: the authenticated `Transport` (Send effects go out through
+per-peer `Outbox`es, optionally delayed by the emulated WAN; `SendFailed` becomes
+`core.on_send_failed`), protocol timers on `loop.call_at` (`TimerTable`), the single torch thread
+(a one-worker executor running `StageWorker` jobs, so heartbeats keep flowing while a stage
+computes), the per-node files (`status.json`, `records.jsonl`), the `READY {json}` line, fault
+injection (`runtime.fault`), and graceful leave on SIGINT/SIGTERM (`core.on_leave`, flush, exit).
+
+Protocol decisions are the core's; this module only executes effects (see `gwtf.runtime.drive`
+for the mapping of compute effects and tensor keys to the worker). The node's id embeds its
+address and region, `<name>/<region>@<host>:<port>`, so a peer id is all a node needs to reach a
+peer: no address book, no coordinator; membership spreads through the core's own messages.
+
+Must not import sim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gwtf.config import Config
+from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer
+from gwtf.runtime import drive
+from gwtf.runtime.auth import load_secret
+from gwtf.runtime.chaos import FaultSpec, fault_from, kill_self
+from gwtf.runtime.clock import Outbox, TimerTable, WanModel
+from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, RecordLog, dumps, node_dir, write_status
+from gwtf.runtime.transport import SendFailed, Transport
+
+log = logging.getLogger("gwtf.node")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeIdentity:
+    """Process identity from flags: who this node is and where it listens."""
+
+    name: str
+    role: str  # "data-holder" | "relay"
+    stage: int | None  # None = auto (the core picks the bottleneck stage when joining)
+    region: str
+    shard: int | None
+    listen: str
+    join: str | None
+    device: str
+    out_dir: Path
+
+
+def make_node_id(name: str, region: str, addr: str) -> NodeId:
+    return f"{name}/{region}@{addr}"
+
+
+def addr_of(node: NodeId) -> str:
+    """The "host:port" a node id embeds (ValueError if it embeds none)."""
+    _, sep, addr = node.rpartition("@")
+    if not sep:
+        raise ValueError(f"node id {node!r} has no address")
+    return addr
+
+
+def region_of(node: NodeId) -> str:
+    head = node.rpartition("@")[0]
+    return head.partition("/")[2] or "local"
+
+
+class NodeRuntime:
+    """Drives one NodeCore; `await run()` returns the process exit code."""
+
+    def __init__(self, cfg: Config, ident: NodeIdentity) -> None:
+        self.cfg = cfg
+        self.ident = ident
+        self.dir = node_dir(ident.out_dir, ident.name)
+        self.records = RecordLog(self.dir / RECORDS_FILE)
+        self.fault: FaultSpec | None = fault_from(cfg.runtime.fault)
+        self.wan = WanModel.from_name(cfg.runtime.wan)
+        if self.wan is not None:
+            self.wan.check_region(ident.region)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.started_s = time.monotonic()
+        self.node_id: NodeId = ""
+        self.stop = asyncio.Event()
+        self.exit_code = 0
+        self.state = "starting"
+        self.stats: dict[str, Any] = {"iteration": None, "last_loss": None, "tokens_per_s": None,
+                                      "crashes_seen": 0, "joins_seen": 0}
+        self.host: drive.Host | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.executor.submit(drive.init_torch_thread, self.cfg.runtime.torch_threads).result()
+        transport = Transport("?", load_secret(self.cfg.runtime.secret_file or None), self._on_frame,
+                              self.cfg.runtime)
+        host, _, port_text = self.ident.listen.rpartition(":")
+        host, port = host.strip("[]"), int(port_text)
+        addr = await transport.start(host, port)
+        self.node_id = make_node_id(self.ident.name, self.ident.region, addr)
+        transport.node_id = self.node_id  # ids embed the bound port, known only after listen
+        self.transport = transport
+        self.timers = TimerTable(loop, self._on_timer)
+        self.outbox = Outbox(self._send_now, self._on_send_error, loop)
+        try:
+            self.host = await loop.run_in_executor(self.executor, drive.Host.create, self.cfg, self.ident,
+                                                   self.node_id)
+            contact = await self._contact_id()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal)
+            self.state = "joining" if self.ident.join else "active"
+            self._status_tick()
+            ready = {"node": self.node_id, "name": self.ident.name, "host": addr.rpartition(":")[0],
+                     "port": transport.port, "stage": self.host.stage, "role": self.ident.role,
+                     "region": self.ident.region, "pid": os.getpid()}
+            print("READY " + dumps(ready), flush=True)
+            log.info("READY node=%s stage=%s role=%s", self.node_id, self.host.stage, self.ident.role)
+            self._apply(self.host.start(loop.time(), contact))
+            await self.stop.wait()
+        finally:
+            await self._shutdown()
+        return self.exit_code
+
+    async def _contact_id(self) -> NodeId | None:
+        """The --join contact's node id (learned from its authenticated handshake)."""
+        if not self.ident.join:
+            return None
+        try:
+            async with asyncio.timeout(self.cfg.runtime.connect_timeout_s * 3):
+                conn = await self.transport._connection(self.ident.join)  # noqa: SLF001 (see report)
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise SystemExit(f"gwtf: error: cannot reach join contact {self.ident.join}: {exc}") from None
+        return conn.peer_id
+
+    def _on_signal(self) -> None:
+        """SIGINT/SIGTERM: graceful leave (announce), then exit once the leave is sent."""
+        if self.state == "leaving":
+            self.stop.set()
+            return
+        self.state = "leaving"
+        log.info("leaving: node=%s", self.node_id)
+        self.record("leave")
+        if self.host is not None:
+            self._apply(self.host.core.on_leave(asyncio.get_running_loop().time()))
+        asyncio.get_running_loop().create_task(self._leave_then_stop())
+
+    async def _leave_then_stop(self) -> None:
+        await self.outbox.flush(timeout_s=self.cfg.runtime.connect_timeout_s)
+        self.stop.set()
+
+    async def _shutdown(self) -> None:
+        if hasattr(self, "timers"):
+            self.timers.cancel_all()
+        if hasattr(self, "outbox"):
+            await self.outbox.close()
+        if hasattr(self, "transport"):
+            await self.transport.close()
+        self.state = "exited"
+        self._write_status()
+        self.records.close()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- effects ------------------------------------------------------------------------------
+
+    def _apply(self, effects: Iterable[Any]) -> None:
+        """Execute effects in order (each may produce more, which run right after)."""
+        pending = list(effects)
+        while pending:
+            eff = pending.pop(0)
+            pending[0:0] = self._apply_one(eff)
+
+    def _apply_one(self, eff: Any) -> list[Any]:
+        assert self.host is not None
+        now = asyncio.get_running_loop().time()
+        if isinstance(eff, Send):
+            self._send(eff.to, eff.msg)
+        elif isinstance(eff, SetTimer):
+            self.timers.set(eff.key, eff.at)
+        elif isinstance(eff, CancelTimer):
+            self.timers.cancel(eff.key)
+        elif isinstance(eff, Log):
+            self._log(eff)
+        elif drive.is_record(eff):
+            event, fields = drive.record_of(eff)
+            self._check_fault(event, fields)
+            self.record(event, **fields)
+            self._track(event, fields)
+            if event in drive.DONE_EVENTS:
+                self.stop.set()
+        elif drive.is_compute(eff):
+            point, it, mb_index, stage = drive.fault_point(eff)
+            self._check_fault(point, {"iteration": it, "index": mb_index, "stage": stage})
+            self._submit(eff)
+        else:
+            return self.host.other_effect(eff, now)
+        return []
+
+    def _submit(self, eff: Any) -> None:
+        assert self.host is not None
+        host = self.host
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, host.compute, eff)
+
+        def done(f: asyncio.Future[drive.ComputeResult]) -> None:
+            if f.cancelled():
+                return
+            exc = f.exception()
+            if exc is not None:
+                log.warning("compute rejected: job=%s reason=%s", drive.job_id(eff), exc)
+                self.record("compute_rejected", job=drive.job_id(eff), reason=str(exc))
+                return
+            result = f.result()
+            for event, fields in result.records:
+                self.record(event, **fields)
+                self._track(event, fields)
+            if not self.stop.is_set():
+                self._apply(host.compute_done(eff, result, asyncio.get_running_loop().time()))
+
+        fut.add_done_callback(done)
+
+    def _send(self, to: NodeId, msg: Message) -> None:
+        assert self.host is not None
+        try:
+            addr = addr_of(to)
+        except ValueError:
+            self._apply(self.host.core.on_send_failed(to, msg, asyncio.get_running_loop().time()))
+            return
+        tensors = self.host.tensors_for(msg)
+        loop = asyncio.get_running_loop()
+        at = 0.0
+        if self.wan is not None:
+            nbytes = sum(int(t.nbytes) for t in tensors) + 256
+            at = self.wan.deliver_at(loop.time(), self.ident.region, region_of(to), nbytes)
+        self.outbox.put(addr, (to, msg), tensors, at)
+
+    async def _send_now(self, addr: str, item: Any, tensors: list[Any]) -> None:
+        _, msg = item
+        await self.transport.send(addr, msg, tensors)
+
+    def _on_send_error(self, addr: str, item: Any, exc: BaseException) -> None:
+        to, msg = item
+        if not isinstance(exc, SendFailed):
+            log.error("send of %s to %s failed: %r", msg.TYPE, to, exc)
+        if self.host is not None and not self.stop.is_set():
+            self._apply(self.host.core.on_send_failed(to, msg, asyncio.get_running_loop().time()))
+
+    def _on_frame(self, sender: NodeId, msg: Message, tensors: list[Any]) -> None:
+        if self.host is None or self.stop.is_set():
+            return
+        now = asyncio.get_running_loop().time()
+        try:
+            self.host.store_tensors(msg, tensors)
+        except ValueError as exc:
+            log.warning("refused %s from %s: %s", msg.TYPE, sender, exc)
+            self.record("message_refused", sender=sender, type=msg.TYPE, reason=str(exc))
+            return
+        self._apply(self.host.core.on_message(sender, msg, now))
+
+    def _on_timer(self, key: Any) -> None:
+        if key == ("runtime", "status"):
+            self._status_tick()
+            return
+        if self.host is not None and not self.stop.is_set():
+            self._apply(self.host.core.on_timer(key, asyncio.get_running_loop().time()))
+
+    # -- observability ------------------------------------------------------------------------
+
+    def record(self, event: str, **fields: Any) -> None:
+        self.records.write({"event": event, **fields, "t_s": round(time.monotonic() - self.started_s, 4),
+                            "unix_s": round(time.time(), 4), "me": self.node_id})
+
+    def _log(self, eff: Log) -> None:
+        level = getattr(logging, eff.level.upper(), logging.INFO)
+        log.log(level, "%s %s", eff.event, " ".join(f"{k}={v}" for k, v in eff.fields))
+
+    def _track(self, event: str, fields: dict[str, Any]) -> None:
+        if event == "loss":
+            self.stats["last_loss"] = fields.get("loss")
+        elif event == "step":
+            self.stats["iteration"] = fields.get("iteration")
+            self.stats["tokens_per_s"] = fields.get("tokens_per_s", self.stats["tokens_per_s"])
+            if self.state == "joining":
+                self.state = "active"
+        elif event in drive.CRASH_EVENTS:
+            self.stats["crashes_seen"] += 1
+        elif event in drive.JOIN_EVENTS:
+            self.stats["joins_seen"] += 1
+        elif event in drive.ACTIVE_EVENTS:
+            self.state = "active"
+
+    def _status_tick(self) -> None:
+        self._write_status()
+        if not self.stop.is_set():
+            loop = asyncio.get_running_loop()
+            self.timers.set(("runtime", "status"), loop.time() + self.cfg.runtime.status_period_s)
+
+    def _write_status(self) -> None:
+        host = self.host
+        write_status(self.dir / STATUS_FILE, {
+            "node": self.node_id, "name": self.ident.name, "role": self.ident.role,
+            "stage": host.stage if host else self.ident.stage, "region": self.ident.region, "state": self.state,
+            "in_flight": host.in_flight() if host else 0, "pid": os.getpid(), **self.stats,
+            "time_s": round(time.monotonic() - self.started_s, 3),
+        })
+
+    def _check_fault(self, point: str, fields: dict[str, Any]) -> None:
+        if self.fault is None:
+            return
+        it, mb, stage = fields.get("iteration"), fields.get("index"), fields.get("stage")
+        if self.fault.matches(point, it if isinstance(it, int) else None, mb if isinstance(mb, int) else None,
+                              stage if isinstance(stage, int) else None):
+            self.record("fault", point=point, iteration=it, index=mb, stage=stage)
+            self.records.close()
+            sys.stdout.flush()
+            kill_self()
+
+
+def run_node(cfg: Config, ident: NodeIdentity) -> int:
+    """Run a node until it leaves or training ends; returns the exit code."""
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stdout, format=f"%(asctime)s %(levelname)s {ident.name} %(name)s: %(message)s"
+    )
+    return asyncio.run(NodeRuntime(cfg, ident).run())

@@ -1,0 +1,279 @@
+"""A local swarm: the node processes of one run, churn injected into them, metrics read back.
+
+Owns: the initial node plan (data holders with their shards, R replicas of every relay stage),
+the seeded churn schedule (`--churn low|high`: kill -9 of relays at random moments, joiners
+started through a random live peer), the metrics of the whole swarm (`DIR/metrics.jsonl`, same
+fields as `gwtf train --local` plus crashes, joins, microbatches_redone, microbatches_dropped),
+`DIR/loss.png` and the live rich table. Processes are owned by a `ProcessGroup`, so every one is
+killed on exit, error or Ctrl+C.
+
+A swarm iteration is complete when every data holder still running has logged its `stepped`
+record for it (the driver's record of an optimizer step, with the new weights' hash); its loss is the mean of the `loss` records the data holders logged for it.
+
+Must not import torch or asyncio.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gwtf.config import Config
+from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup
+from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status
+
+REDONE_EVENTS = frozenset({"redo"})  # the core's record of one redo (in flight or at aggregation)
+DROPPED_EVENTS = frozenset({"dh_lost"})  # leader: a data holder died; `started` microbatches dropped
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmOptions:
+    """What `gwtf swarm` / `gwtf demo` ask for beyond the config."""
+
+    out_dir: Path
+    replicas: int = 2  # replicas of every relay stage
+    churn: str = "none"  # none | low | high
+    timeout_s: float = 600.0
+    regions: tuple[str, ...] = ("local",)
+    config_path: str | None = None
+    overrides: tuple[str, ...] = ()
+    faults: dict[str, str] = field(default_factory=dict)  # node name -> runtime.fault
+
+
+def initial_plans(cfg: Config, opts: SwarmOptions) -> list[NodePlan]:
+    """Data holders dh0..dh{D-1} (stage 0, shard d) then relays r<k><a|b|...> per stage."""
+    plans = []
+    rng = random.Random(cfg.train.seed)
+    for d in range(cfg.train.data_holders):
+        name = f"dh{d}"
+        plans.append(NodePlan(name=name, role="data-holder", stage="0", shard=d,
+                              region=rng.choice(opts.regions), fault=opts.faults.get(name, "")))
+    for k in range(1, cfg.model.stages):
+        for r in range(opts.replicas):
+            name = f"r{k}{chr(ord('a') + r)}"
+            plans.append(NodePlan(name=name, role="relay", stage=str(k), region=rng.choice(opts.regions),
+                                  fault=opts.faults.get(name, "")))
+    return plans
+
+
+def churn_iterations(kind: str, iterations: int, rng: random.Random) -> list[int]:
+    """Iterations after whose completion a relay is killed (and a joiner started)."""
+    if kind == "none" or iterations < 3:
+        return []
+    if kind == "low":
+        return [rng.randint(1, max(1, iterations // 2))]
+    if kind == "high":
+        every = max(2, iterations // 5)
+        return list(range(rng.randint(1, every), iterations - 1, every))
+    raise ValueError(f"unknown churn {kind!r} (none, low, high)")
+
+
+@dataclass(slots=True)
+class _Iteration:
+    losses: dict[tuple[str, int], float] = field(default_factory=dict)
+    tokens: dict[tuple[str, int], int] = field(default_factory=dict)
+    stepped: set[str] = field(default_factory=set)
+    redone: int = 0
+    dropped: int = 0
+    unix_s: float = 0.0  # wall clock of the last data holder's step record
+
+
+class SwarmMetrics:
+    """Reads every node's records.jsonl incrementally and emits one row per completed iteration."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self._tails: dict[str, JsonlTail] = {}
+        self._its: dict[int, _Iteration] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.hashes: dict[tuple[int, int], dict[str, str]] = {}  # (iteration, stage) -> node -> hash
+        self.records: dict[str, list[dict[str, Any]]] = {}
+        self.unix_start_s = time.time()  # reset by Swarm.start when training may begin
+        self._file = (out_dir / "metrics.jsonl").open("a", encoding="utf-8")
+
+    def poll(self, procs: list[NodeProcess]) -> None:
+        for p in procs:
+            tail = self._tails.setdefault(p.name, JsonlTail(p.dir / RECORDS_FILE))
+            for row in tail.read_new():
+                self.records.setdefault(p.name, []).append(row)
+                self._absorb(p, row)
+
+    def _absorb(self, p: NodeProcess, row: dict[str, Any]) -> None:
+        event, it = row.get("event"), row.get("iteration")
+        mb = row.get("mb")
+        if not isinstance(it, int) and isinstance(mb, list) and len(mb) == 3 and isinstance(mb[1], int):
+            it = mb[1]
+        if not isinstance(it, int):
+            return
+        slot = self._its.setdefault(it, _Iteration())
+        if event == "loss" and p.plan.role == "data-holder":
+            slot.losses[(p.name, int(row["index"]))] = float(row["loss"])
+            slot.tokens[(p.name, int(row["index"]))] = int(row.get("tokens", 0))
+        elif event == "stepped":
+            if p.plan.role == "data-holder":
+                slot.stepped.add(p.name)
+                slot.unix_s = max(slot.unix_s, float(row.get("unix_s", 0.0)))
+            self.hashes.setdefault((it, int(row["stage"])), {})[p.name] = str(row["hash"])
+        elif event in REDONE_EVENTS:
+            slot.redone += 1
+        elif event in DROPPED_EVENTS:
+            slot.dropped += max(0, int(row.get("started", 0)))
+
+    def complete(self, procs: list[NodeProcess], started_s: float, crashes: int, joins: int) -> list[dict[str, Any]]:
+        """Emit rows for iterations every live data holder has stepped (in order)."""
+        new = []
+        while True:
+            it = len(self.rows)
+            slot = self._its.get(it)
+            live_dh = {p.name for p in procs if p.plan.role == "data-holder" and p.alive()}
+            if slot is None or not slot.stepped or not live_dh <= slot.stepped:
+                return new
+            now = (slot.unix_s - self.unix_start_s) if slot.unix_s else time.monotonic() - started_s
+            tokens = sum(slot.tokens.values())
+            prev_t = self.rows[-1]["time_s"] if self.rows else 0.0
+            row = {
+                "iteration": it, "loss": sum(slot.losses.values()) / max(1, len(slot.losses)),
+                "tokens": tokens, "time_s": round(now, 3),
+                "tokens_per_s": round(tokens / max(1e-9, now - prev_t), 1),
+                "microbatches": len(slot.losses), "crashes": crashes, "joins": joins,
+                "microbatches_redone": slot.redone, "microbatches_dropped": slot.dropped,
+            }
+            self.rows.append(row)
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+            new.append(row)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Swarm:
+    """One local swarm run; use as a context manager so every process dies with it."""
+
+    def __init__(self, cfg: Config, opts: SwarmOptions, say: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.opts = opts
+        self.say = say
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        self.group = ProcessGroup(opts.out_dir, opts.config_path, opts.overrides)
+        self.metrics = SwarmMetrics(opts.out_dir)
+        self.rng = random.Random(cfg.train.seed + 7919)
+        self.crashes = 0
+        self.joins = 0
+        self.started_s = time.monotonic()
+        self._pending_kills = churn_iterations(opts.churn, cfg.train.iterations, self.rng)
+        self._kill_at_s: float | None = None
+
+    def __enter__(self) -> Swarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.group.close()
+        self.metrics.close()
+
+    def start(self) -> None:
+        """Start the bootstrap data holder, then the other data holders through it (and wait until
+        they are members, so every data holder trains from iteration 0), then the relays."""
+        plans = initial_plans(self.cfg, self.opts)
+        ready_s = self.cfg.runtime.ready_timeout_s
+        first = self.group.spawn(plans[0])
+        self.group.wait_ready([first], ready_s)
+        dhs = [self.group.spawn(p, join=first.addr) for p in plans[1:] if p.role == "data-holder"]
+        self.group.wait_ready(dhs, ready_s)
+        self.wait_state(dhs, "active", ready_s)
+        relays = [self.group.spawn(p, join=first.addr) for p in plans if p.role == "relay"]
+        self.group.wait_ready(relays, ready_s)
+        self.started_s = time.monotonic()
+        self.metrics.unix_start_s = time.time()
+        self.say(f"swarm of {len(plans)} nodes ready (bootstrap {first.name} at {first.addr})")
+
+    def wait_state(self, procs: list[NodeProcess], state: str, timeout_s: float) -> None:
+        """Poll the nodes' status files until each reports `state` (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(procs)
+        while pending:
+            pending = [p for p in pending if (read_status(p.dir / STATUS_FILE) or {}).get("state") != state]
+            for p in pending:
+                if not p.alive():
+                    raise NodeStartError(f"node {p.name} exited before becoming {state}:\n{p.log_tail()}")
+            if pending and time.monotonic() > deadline:
+                raise NodeStartError(f"{pending[0].name} not {state} within {timeout_s:.0f}s:\n{pending[0].log_tail()}")
+            if pending:
+                time.sleep(0.05)  # polling period of a bounded wait
+
+    def join_node(self, stage: str = "auto") -> NodeProcess:
+        """Start a joiner (relay) through a random live node."""
+        live = [p for p in self.group.live() if p.ready is not None]
+        contact = self.rng.choice(live)
+        self.joins += 1
+        plan = NodePlan(name=f"j{self.joins}", role="relay", stage=stage, region=self.rng.choice(self.opts.regions))
+        proc = self.group.spawn(plan, join=contact.addr)
+        return proc
+
+    def kill_random_relay(self) -> NodeProcess | None:
+        """kill -9 a relay whose stage keeps at least one other live replica."""
+        live = [p for p in self.group.live() if p.plan.role == "relay" and p.ready is not None]
+        stage_of = {p.name: self.stage_of(p) for p in live}
+        victims = [p for p in live if sum(1 for q in live if stage_of[q.name] == stage_of[p.name]) >= 2]
+        if not victims:
+            return None
+        victim = self.rng.choice(sorted(victims, key=lambda p: p.name))
+        self.group.kill(victim)
+        self.crashes += 1
+        return victim
+
+    def stage_of(self, p: NodeProcess) -> int | None:
+        status = read_status(p.dir / STATUS_FILE) or {}
+        stage = status.get("stage", p.ready.get("stage") if p.ready else None)
+        return stage if isinstance(stage, int) else None
+
+    def step(self) -> list[dict[str, Any]]:
+        """One poll: read records, emit finished iterations, apply churn. Returns new metric rows."""
+        procs = self.group.procs
+        self.metrics.poll(procs)
+        new = self.metrics.complete(procs, self.started_s, self.crashes, self.joins)
+        for p in procs:
+            if p.state == "starting":
+                try:
+                    self.group.check_ready(p)
+                except RuntimeError as exc:
+                    self.say(f"joiner {p.name} failed: {exc}")
+        self._churn(new)
+        return new
+
+    def _churn(self, new_rows: list[dict[str, Any]]) -> None:
+        done = len(self.metrics.rows)
+        if self._pending_kills and done >= self._pending_kills[0] and self._kill_at_s is None:
+            last = self.metrics.rows[-1]["time_s"] - (self.metrics.rows[-2]["time_s"] if done > 1 else 0.0)
+            self._kill_at_s = time.monotonic() + self.rng.uniform(0.1, 0.9) * max(0.05, last)
+        if self._kill_at_s is not None and time.monotonic() >= self._kill_at_s:
+            self._pending_kills.pop(0)
+            self._kill_at_s = None
+            victim = self.kill_random_relay()
+            if victim is not None:
+                self.say(f"churn: kill -9 {victim.name}")
+                joiner = self.join_node()
+                self.say(f"churn: joiner {joiner.name} started")
+
+    def finished(self) -> bool:
+        return len(self.metrics.rows) >= self.cfg.train.iterations
+
+    def table_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for p in self.group.procs:
+            status = read_status(p.dir / STATUS_FILE) or {}
+            row = {"name": p.name, "role": p.plan.role, "region": p.plan.region, **status}
+            if not p.alive():
+                row["state"] = {"killed": "crashed"}.get(p.state, p.state if p.state != "ready" else "exited")
+            elif p.state == "starting":
+                row["state"] = "starting"
+            rows.append(row)
+        return rows
