@@ -33,6 +33,7 @@ from gwtf.protocol.flow_messages import (
     FlowPropose,
     FlowPushBack,
     FlowQuery,
+    FlowRekey,
     FlowRequest,
     FlowRespond,
     FlowResponse,
@@ -66,6 +67,7 @@ class FlowAgent(FlowAnneal):
             FlowTable: self._on_table,
             FlowPropose: self._on_propose,
             FlowRespond: self._on_respond,
+            FlowRekey: self._on_rekey,
         }
 
     # ----------------------------------------------------------------------------- Router API
@@ -173,7 +175,7 @@ class FlowAgent(FlowAnneal):
         """Phase A at a data holder: reserve flows up to min(demand, capacity)."""
         target = min(self.me.demand, self.me.capacity)
         pending = sum(1 for e in self.flows.values() if e.pending)
-        while len(self.flows) < target and pending < self.cfg.max_pending_requests:
+        while self.load < target and pending < self.cfg.max_pending_requests:
             if self._best_next(self.me.id, ()) is None:
                 return
             fid = self._new_flow_id()
@@ -181,12 +183,6 @@ class FlowAgent(FlowAnneal):
             self.flows[e.key] = e
             pending += 1
             self._forward(e)
-
-    def _new_flow_id(self) -> int:
-        while True:
-            fid = self.rng.getrandbits(31)
-            if (self.me.id, fid) not in self.flows and (self.me.id, fid) not in self.tombstones:
-                return fid
 
     # ----------------------------------------------------------------------- phase A messages
 
@@ -225,7 +221,7 @@ class FlowAgent(FlowAnneal):
             self._forward(e)
 
     def _on_response(self, sender: NodeId, msg: FlowResponse) -> None:
-        e = self.flows.get((msg.origin, msg.flow_id))
+        e = self._find(msg.origin, msg.flow_id)
         if e is None or not e.pending or e.next != sender:
             if msg.accepted:
                 self._send(sender, FlowCancel(msg.origin, msg.flow_id))
@@ -251,12 +247,12 @@ class FlowAgent(FlowAnneal):
         e.tried.clear()
 
     def _on_cancel(self, sender: NodeId, msg: FlowCancel) -> None:
-        e = self.flows.get((msg.origin, msg.flow_id))
+        e = self._find(msg.origin, msg.flow_id)
         if e is not None and (e.prev == sender or msg.force) and not self.is_dh:
             self._drop(e, cancel_next=True)
 
     def _on_push_back(self, sender: NodeId, msg: FlowPushBack) -> None:
-        e = self.flows.get((msg.origin, msg.flow_id))
+        e = self._find(msg.origin, msg.flow_id)
         if e is not None and e.next == sender and not e.pending:
             self._repair(e)
 
@@ -310,11 +306,6 @@ class FlowAgent(FlowAnneal):
         e.tried = []
         self._forward(e)
 
-    def _drop(self, e: FlowEntry, cancel_next: bool) -> None:
-        self._forget(e)
-        if cancel_next and e.next is not None and e.next != e.origin:
-            self._send(e.next, FlowCancel(e.origin, e.flow_id))
-
     def _reject(self, to: NodeId, origin: NodeId, flow_id: int) -> None:
         cost = self._current_costs().get(origin, INF)
         self._send(to, FlowResponse(origin, flow_id, False, cost_s=cost, has_capacity=self._has_capacity()))
@@ -325,7 +316,7 @@ class FlowAgent(FlowAnneal):
     # ------------------------------------------------------------------- notices along flows
 
     def _on_cost(self, sender: NodeId, msg: FlowCost) -> None:
-        e = self.flows.get((msg.origin, msg.flow_id))
+        e = self._find(msg.origin, msg.flow_id)
         if e is None or e.pending:
             return
         if msg.side == "prev" and e.prev == sender and not self.is_dh:
@@ -337,7 +328,7 @@ class FlowAgent(FlowAnneal):
 
     def _on_switch(self, sender: NodeId, msg: FlowSwitch) -> None:
         key = (msg.origin, msg.flow_id)
-        e = self.flows.get(key)
+        e = self._find(*key)
         if e is None:
             stone = self.tombstones.get(key)
             if stone is not None and msg.ttl > 0:
@@ -365,7 +356,7 @@ class FlowAgent(FlowAnneal):
 
     def _on_check(self, sender: NodeId, msg: FlowCheck) -> None:
         key = (msg.origin, msg.flow_id)
-        e = self.flows.get(key)
+        e = self._find(*key)
         ok = e is not None and (e.prev == sender if msg.side == "prev" else e.next == sender)
         if not ok or e is None:
             stone = self.tombstones.get(key)
@@ -379,7 +370,7 @@ class FlowAgent(FlowAnneal):
             self._set_down(e, msg.cost_s)
 
     def _on_check_fail(self, sender: NodeId, msg: FlowCheckFail) -> None:
-        e = self.flows.get((msg.origin, msg.flow_id))
+        e = self._find(msg.origin, msg.flow_id)
         if e is None or e.pending or e.locked:
             return
         mine = e.next if msg.side == "prev" else e.prev

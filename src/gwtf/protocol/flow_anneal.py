@@ -26,8 +26,10 @@ from gwtf.protocol.base import NodeId
 from gwtf.protocol.flow_core import COST_EPS_S, INF, FlowCore, FlowEntry, FlowKey
 from gwtf.protocol.flow_messages import (
     FlowCancel,
+    FlowCost,
     FlowPropose,
     FlowQuery,
+    FlowRekey,
     FlowRespond,
     FlowSwitch,
     FlowTable,
@@ -80,13 +82,24 @@ class FlowAnneal(FlowCore):
             if not (e.pending or e.locked or e.repairing) and e.next is not None and e.since_s <= horizon
         ]
 
+    def _spare(self) -> int:
+        """Flows I could still take: relays up to capacity, data holders up to their demand."""
+        limit = min(self.me.demand, self.me.capacity) if self.is_dh else self.me.capacity
+        return limit - self.load
+
+    def _dh_blocked(self) -> bool:
+        """A data holder that wants more flows but no next-stage peer can take one."""
+        return self._spare() > 0 and not any(
+            nb.has_capacity and nb.adv.get(self.me.id, INF) < INF for nb in self.next_peers.values()
+        )
+
     def _cool(self, peer: NodeId) -> None:
         self._cooldown[peer] = self.now + self.cfg.cooldown_ticks * self.cfg.tick_s
 
     # ------------------------------------------------------------------------------- A side
 
     def _anneal_tick(self) -> None:
-        if self.is_dh or not self.same_peers:
+        if not self.same_peers:
             return
         busy = self._busy
         if busy is not None:
@@ -96,8 +109,8 @@ class FlowAnneal(FlowCore):
         if self.rng.random() >= self.cfg.anneal_probability:
             return
         peers = [p for p in sorted(self.same_peers) if self._cooldown.get(p, -INF) <= self.now]
-        own = self._movable()
-        if not peers or (not own and self.load >= self.me.capacity):
+        own = [] if self.is_dh else self._movable()
+        if not peers or (not own and self._spare() <= 0) or (self.is_dh and not self._dh_blocked()):
             return
         peer = self.rng.choice(peers)
         nodes = sorted({e.prev for e in own} | {e.next for e in own if e.next is not None})
@@ -111,18 +124,22 @@ class FlowAnneal(FlowCore):
         self._busy = None
         self._cool(sender)
         move = self._best_move(msg)
-        if move is None or move.delta_s >= -COST_EPS_S and move.delta_s <= COST_EPS_S:
+        t = self.temperature_s
+        self.temperature_s *= self.cfg.anneal_cooling
+        if move is None or abs(move.delta_s) <= COST_EPS_S:
             return
         if move.delta_s < 0:
-            t = self.temperature_s
-            if t < self.cfg.anneal_min_t_s or self.rng.random() >= math.exp(move.delta_s / t):
+            if self.is_dh or t < self.cfg.anneal_min_t_s or self.rng.random() >= math.exp(move.delta_s / t):
                 return
         self._propose(sender, msg, move)
 
     def _best_move(self, msg: FlowTable) -> _Move | None:
         links_b = dict(zip(msg.link_nodes, msg.link_costs_s))
-        own = [(e, links_b.get(e.prev, INF), links_b.get(e.next or "", INF)) for e in self._movable()]
-        spare = self.me.capacity - self.load
+        own = [] if self.is_dh else [
+            (e, links_b.get(e.prev, INF), links_b.get(e.next or "", INF)) for e in self._movable()
+        ]
+        spare = self._spare()
+        take = "yield" if self.is_dh else "redirect"
         best: tuple[float, float] | None = None
         move: _Move | None = None
         for i, key in enumerate(zip(msg.origins, msg.flow_ids)):
@@ -136,7 +153,7 @@ class FlowAnneal(FlowCore):
             c_b_new = outer_b + a_prev + a_next
             if spare > 0 and (best is None or (c_b - c_b_new, c_b - c_b_new) > best):
                 best = (c_b - c_b_new, c_b - c_b_new)
-                move = _Move(0.0, "redirect", i, None)
+                move = _Move(0.0, take, i, None)
             for e, b_prev, b_next in own:
                 if b_prev == INF or b_next == INF:
                     continue
@@ -157,7 +174,7 @@ class FlowAnneal(FlowCore):
         if move.mine is None:
             self.reserved += 1
             self._dirty = True
-            prop = FlowPropose("redirect", key[0], key[1], msg.prevs[i], msg.nexts[i])
+            prop = FlowPropose(move.kind, key[0], key[1], msg.prevs[i], msg.nexts[i])
         else:
             e = move.mine
             e.locked = True
@@ -177,7 +194,9 @@ class FlowAnneal(FlowCore):
         if not msg.accepted:
             return
         self.accepted_moves += 1
-        self.temperature_s *= self.cfg.anneal_cooling
+        if busy.kind == "yield":
+            self._adopt(msg)
+            return
         e = self._install(msg.origin, msg.flow_id, msg.prev, msg.next, msg.up_prev_s, msg.down_next_s)
         self._announce(e, old=sender)
         if busy.my_key is not None:
@@ -186,12 +205,14 @@ class FlowAnneal(FlowCore):
     def _hand_over(self, busy: _Busy, peer: NodeId) -> None:
         """Exchange accepted: my offered flow now lives at `peer`; fix anything that moved meanwhile."""
         assert busy.my_key is not None
-        mine = self.flows.get(busy.my_key)
+        mine = self._find(*busy.my_key)
         if mine is None:
             self._send(peer, FlowCancel(busy.my_key[0], busy.my_key[1], force=True))
             return
         self._forget(mine)
         self.tombstones[mine.key] = (peer, self.now + self.cfg.tombstone_s)
+        if mine.key != busy.my_key:  # renamed (yielded to another data holder) meanwhile
+            self._send(peer, FlowRekey(*busy.my_key, *mine.key, mine.up_prev_s))
         if mine.prev != busy.my_prev:
             self._send(peer, FlowSwitch(mine.origin, mine.flow_id, "prev", busy.my_prev, mine.prev, mine.up_prev_s))
         if mine.next is not None and mine.next != busy.my_next:
@@ -203,11 +224,11 @@ class FlowAnneal(FlowCore):
         if busy is None:
             return
         self._cool(busy.peer)
-        if busy.kind == "redirect":
+        if busy.kind in ("redirect", "yield"):
             self.reserved -= 1
             self._dirty = True
         if busy.my_key is not None:
-            mine = self.flows.get(busy.my_key)
+            mine = self._find(*busy.my_key)
             if mine is not None:
                 mine.locked = False
 
@@ -220,12 +241,15 @@ class FlowAnneal(FlowCore):
 
     def _on_query(self, sender: NodeId, msg: FlowQuery) -> None:
         rows = self._movable()
+        # At a data holder the route is prev(last relay) -> me -> next(first relay); writing the
+        # "cost before me" as -d(last, me) makes up_prev + down_next the route minus my two edges.
+        ups = [-self.link_s(e.prev) if self.is_dh else e.up_prev_s for e in rows]
         self._send(sender, FlowTable(
             origins=tuple(e.origin for e in rows),
             flow_ids=tuple(e.flow_id for e in rows),
             prevs=tuple(e.prev for e in rows),
             nexts=tuple(e.next or "" for e in rows),
-            up_prev_s=tuple(e.up_prev_s for e in rows),
+            up_prev_s=tuple(ups),
             down_next_s=tuple(e.down_next_s for e in rows),
             link_prev_s=tuple(self.link_s(e.prev) for e in rows),
             link_next_s=tuple(self.link_s(e.next or "") for e in rows),
@@ -248,6 +272,12 @@ class FlowAnneal(FlowCore):
             self._send(sender, FlowRespond(False, msg.origin, msg.flow_id))
             return
         self._cool(sender)
+        if msg.kind == "yield":  # a data holder hands one route over to a peer data holder
+            self._forget(e)
+            self._send(sender, FlowRespond(
+                True, msg.origin, msg.flow_id, e.prev, e.next or "", -self.link_s(e.prev), e.down_next_s
+            ))
+            return
         self._forget(e)
         self.tombstones[e.key] = (sender, self.now + self.cfg.tombstone_s)
         if msg.kind == "exchange":
@@ -258,6 +288,47 @@ class FlowAnneal(FlowCore):
         self._send(sender, FlowRespond(
             True, msg.origin, msg.flow_id, e.prev, e.next or "", e.up_prev_s, e.down_next_s
         ))
+
+    # ---------------------------------------------------------------------- yield (rename)
+
+    def _adopt(self, msg: FlowRespond) -> None:
+        """A peer data holder yielded a route to me: name it mine and rename it downstream."""
+        fid = self._new_flow_id()
+        e = FlowEntry(origin=self.me.id, flow_id=fid, prev=msg.prev, next=msg.next, since_s=self.now)
+        # estimate until the last relay reports: the peer's closing edge replaced by mine
+        e.down_next_s = msg.down_next_s + msg.up_prev_s + self.link_s(msg.prev)
+        e.down_s = self.link_s(msg.next) + e.down_next_s
+        self.flows[e.key] = e
+        self._dirty = True
+        self._send(msg.next, FlowRekey(msg.origin, msg.flow_id, self.me.id, fid, 0.0))
+
+    def _on_rekey(self, sender: NodeId, msg: FlowRekey) -> None:
+        old, new = (msg.origin, msg.flow_id), (msg.new_origin, msg.new_flow_id)
+        e = self.flows.get(old)
+        if e is None:
+            stone = self.tombstones.get(old)
+            if stone is not None and msg.ttl > 0:
+                self._send(stone[0], FlowRekey(*old, *new, msg.up_s, ttl=msg.ttl - 1))
+            return
+        del self.flows[old]
+        e.origin, e.flow_id, e.since_s = msg.new_origin, msg.new_flow_id, self.now
+        self.flows[new] = e
+        self.aliases[old] = (new, self.now + self.cfg.tombstone_s)
+        if e.prev == msg.origin:
+            e.prev = msg.new_origin
+        e.up_prev_s, e.up_s = msg.up_s, msg.up_s + self.link_s(e.prev)
+        if e.next == msg.origin:  # last relay: close the route at the new origin
+            e.next = msg.new_origin
+            e.down_next_s, e.down_s = 0.0, self.link_s(e.next)
+            self._send(e.prev, FlowCost(e.origin, e.flow_id, "next", e.down_s, self.me.id))
+        elif e.next is not None:
+            self._send(e.next, FlowRekey(*old, *new, e.up_s))
+
+    def _new_flow_id(self) -> int:
+        while True:
+            fid = self.rng.getrandbits(31)
+            if (self.me.id, fid) not in self.flows and (self.me.id, fid) not in self.tombstones:
+                return fid
 
     # ----------------------------------------------------------------------------- helpers
 

@@ -19,7 +19,7 @@ from typing import Any
 from gwtf.config import FlowConfig
 from gwtf.flow.cost import edge_cost_s
 from gwtf.protocol.base import Message, NodeId, Send, SetTimer
-from gwtf.protocol.flow_messages import INF_COST_S, FlowAdvert, FlowCost
+from gwtf.protocol.flow_messages import INF_COST_S, FlowAdvert, FlowCancel, FlowCost
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 
 INF = INF_COST_S
@@ -94,6 +94,7 @@ class FlowCore:
         self.now = 0.0
         self.ticks = 0
         self.reserved = 0  # capacity held for an annealing take-over under way
+        self.aliases: dict[FlowKey, tuple[FlowKey, float]] = {}  # renamed flow -> (new name, until)
         self.messages_in = 0
         self.messages_out = 0
         self._check_phase = rng.randrange(cfg.check_every_ticks)
@@ -163,28 +164,50 @@ class FlowCore:
         return len(self.flows) + self.reserved
 
     def _has_capacity(self) -> bool:
-        return self.load < self.me.capacity
+        """Can I take one more new flow: spare capacity here and some next-stage peer that can?"""
+        if self.load >= self.me.capacity:
+            return False
+        return self.is_last or any(nb.has_capacity for nb in self.next_peers.values())
 
     def _forget(self, e: FlowEntry) -> None:
         if self.flows.get(e.key) is e:
             del self.flows[e.key]
             self._dirty = True
 
+    def _drop(self, e: FlowEntry, cancel_next: bool) -> None:
+        """Release `e` here; with `cancel_next`, release it downstream too (not at the origin)."""
+        self._forget(e)
+        if cancel_next and e.next is not None and e.next != e.origin:
+            self._send(e.next, FlowCancel(e.origin, e.flow_id))
+
+    def _find(self, origin: NodeId, flow_id: int) -> FlowEntry | None:
+        """The entry of a flow, following a rename (a yielded flow keeps its old name a while)."""
+        e = self.flows.get((origin, flow_id))
+        if e is None:
+            alias = self.aliases.get((origin, flow_id))
+            if alias is not None:
+                e = self.flows.get(alias[0])
+        return e
+
     def _expire_tombstones(self) -> None:
-        dead = [k for k, (_, until) in self.tombstones.items() if until < self.now]
-        for k in dead:
-            del self.tombstones[k]
+        for table in (self.tombstones, self.aliases):
+            dead = [k for k, (_, until) in table.items() if until < self.now]
+            for k in dead:
+                del table[k]
 
     # ----------------------------------------------------------------------- cost adverts
 
     def _current_costs(self) -> dict[NodeId, float]:
-        """Least cost from me to each target data holder for a new flow (distance vector)."""
+        """Least cost from me to each target data holder over live peers (distance vector).
+
+        Capacity is deliberately left out of the costs (it travels as the `has_capacity` flag):
+        costs then change only when links or membership do, so annealing moves, which shift load
+        all the time, do not set off waves of advertisements.
+        """
         if self.is_last:
             return {t: nb.cost_s for t, nb in self.next_peers.items() if nb.info.stage == 0}
         best: dict[NodeId, float] = {}
         for nb in self.next_peers.values():
-            if not nb.has_capacity:
-                continue
             c0 = nb.cost_s
             for t, c in nb.adv.items():
                 v = c0 + c

@@ -115,6 +115,25 @@ class FlowSwitch(Message):
 
 @message
 @dataclass(frozen=True, slots=True)
+class FlowRekey(Message):
+    """Downstream along a flow that data holder `origin` yielded: it now belongs to `new_origin`.
+
+    Each relay renames its entry (keeping an alias for late notices) and passes the rename on
+    with its new up cost; the last relay closes the route at `new_origin` and sends the new
+    down cost back up.
+    """
+
+    TYPE = "flow.rekey"
+    origin: str
+    flow_id: int
+    new_origin: str
+    new_flow_id: int
+    up_s: float
+    ttl: int = 3
+
+
+@message
+@dataclass(frozen=True, slots=True)
 class FlowCheck(Message):
     """Consistency check: "I hold this flow and I am your `side` neighbour on it"; carries my cost.
 
