@@ -1,0 +1,258 @@
+"""Iteration barrier and aggregation agreement: the leader's planner and both sides' messages.
+
+Owns: `plan_redo` (pure: from the data holders' started microbatches and every replica's
+reported contributions, decide which replicas to reset and which redo chains to start), and
+`AggregationMixin`: the leader side (IterStart -> wait for every live DH -> Collect -> plan ->
+Reset/Redo until every expected microbatch is covered exactly once at every stage -> Commit ->
+Have from every replica -> Step -> next IterStart) and the replica side (Report, GradShare,
+Have, step).
+
+Decision (ours, docs/protocol.md): the control plane has a coordinator, the lowest-id live data
+holder ("leader"); routing and the data plane stay decentralized. Agreement is two-phase so
+replicas never diverge: nobody steps before every replica holds every contributor's gradient of
+the same round; a leader crash at any point is recovered by the next leader re-collecting state.
+
+Exactly once: a replica's accumulated gradient is all-or-nothing. A microbatch covered twice at
+a stage (a false suspicion let two replicas back-propagate it) makes the leader reset one
+replica's gradient and redo its other microbatches; a microbatch covered nowhere (its replica
+crashed) is redone by a chain from the neighbours' caches. Microbatches of a crashed data holder
+are not redone: counted as dropped; any relay contributions they made stay at most once.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.ledger import NONE, CoreState, Effect
+from gwtf.protocol.messages import (
+    Collect,
+    Commit,
+    Compute,
+    FreeIteration,
+    GradShare,
+    Have,
+    IterStart,
+    MbId,
+    Report,
+    Reset,
+    Rollback,
+    Step,
+    record,
+)
+
+Contrib = tuple[str, int]  # (origin, index) within one iteration
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    mb: Contrib
+    start_node: NodeId
+    start: int  # first stage to redo (0: the DH redoes its embedding backward)
+    until: int  # holder's stage (S: the data holder's cached loss gradient)
+    holder: NodeId
+    path: tuple[NodeId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    resets: tuple[NodeId, ...]
+    chains: tuple[Chain, ...]
+    missing: int  # microbatch-stage pairs not covered yet
+
+
+def plan_redo(stages: int, expected: Mapping[NodeId, tuple[int, ...]],
+              contributions: Mapping[NodeId, tuple[int, frozenset[Contrib]]]) -> Plan:
+    """Pure planner. `contributions`: live replica -> (stage, contributed microbatches).
+
+    Invariant it establishes once its resets and chains are done: every expected microbatch is
+    covered by exactly one live replica at every stage.
+    """
+    contrib = {n: set(c) for n, (_, c) in contributions.items()}
+    stage_of = {n: s for n, (s, _) in contributions.items()}
+    resets: list[NodeId] = []
+    while True:
+        cover: list[dict[Contrib, list[NodeId]]] = [{} for _ in range(stages)]
+        for n in sorted(contrib):
+            for mb in contrib[n]:
+                cover[stage_of[n]].setdefault(mb, []).append(n)
+        dups: dict[NodeId, int] = {}
+        for per_stage in cover:
+            for nodes in per_stage.values():
+                if len(nodes) > 1:
+                    for n in nodes:
+                        dups[n] = dups.get(n, 0) + 1
+        if not dups:
+            break
+        victim = min(dups, key=lambda n: (-dups[n], len(contrib[n]), [-ord(c) for c in n]))
+        resets.append(victim)
+        contrib[victim] = set()
+    chains: list[Chain] = []
+    missing = 0
+    for dh in sorted(expected):
+        for idx in expected[dh]:
+            mb = (dh, idx)
+            cpath = [cover[k].get(mb, [""])[0] for k in range(stages)]
+            k = 0
+            while k < stages:
+                if cpath[k]:
+                    k += 1
+                    continue
+                j = k
+                while k < stages and not cpath[k]:
+                    k += 1
+                missing += k - j
+                start_node = dh if j <= 1 else cpath[j - 1]
+                holder = dh if k == stages else cpath[k]
+                chains.append(Chain(mb, start_node, j, k, holder, tuple(cpath)))
+    return Plan(tuple(resets), tuple(chains), missing)
+
+
+class AggregationMixin(CoreState):
+    """Leader and replica sides of the iteration barrier (see the module docstring)."""
+
+    # ---- replica side ------------------------------------------------------------------
+
+    def on_iter_start(self, sender: NodeId, msg: IterStart, now: float) -> list[Effect]:
+        self.leader = msg.leader
+        self.last_leader_s = now
+        if not self.active or getattr(self, "started_iter", NONE) == msg.iteration:
+            return []
+        self.started_iter = msg.iteration
+        self.dh_reported_done = False
+        if msg.iteration != self.iteration:
+            self._clear_iteration()
+        self.iteration = msg.iteration
+        self.reported = False
+        self.commit: Commit | None = None
+        self.shares: dict[int, set[NodeId]] = {}
+        self.have_round = NONE
+        out: list[Effect] = [record("iter_seen", node=self.me.id, iteration=msg.iteration)]
+        if self.me.stage == 0:
+            out += self.dh_start_iteration(now)  # type: ignore[attr-defined]
+        pending, self.pending_fwd = self.pending_fwd, []
+        for s, m in pending:
+            out += self.on_forward(s, m, now)  # type: ignore[attr-defined]
+        return out
+
+    def _clear_iteration(self) -> None:
+        self.legs.clear()
+        self.origins.clear()
+        self.contributed.clear()
+        self.grad_cache.clear()
+        self.gouts.clear()
+
+    def _report(self, dh_done: bool = False) -> Report:
+        mine = tuple(sorted((mb[0], mb[2]) for mb in self.contributed if mb[1] == self.iteration))
+        started = tuple(range(getattr(self, "dh_started", 0))) if self.me.stage == 0 else ()
+        done = self.me.stage == 0 and getattr(self, "dh_reported_done", False)
+        return Report(iteration=self.iteration, version=self.version, stage=self.me.stage, contributed=mine,
+                      dh_done=done or dh_done, dh_completed=started if (done or dh_done) else (),
+                      have_round=getattr(self, "have_round", NONE))
+
+    def on_collect(self, sender: NodeId, msg: Collect, now: float) -> list[Effect]:
+        self.leader = msg.leader
+        self.last_leader_s = now
+        if not self.active:
+            return []
+        self.reported = True
+        return [self.send(sender, self._report())]
+
+    def dh_done(self, now: float) -> list[Effect]:
+        self.dh_reported_done = True
+        self.reported = True
+        return [self.send(self.leader, self._report(dh_done=True))] if self.leader else []
+
+    def after_contribution(self, now: float) -> list[Effect]:
+        if getattr(self, "reported", False) and self.leader:
+            return [self.send(self.leader, self._report())]
+        return []
+
+    def on_reset(self, sender: NodeId, msg: Reset, now: float) -> list[Effect]:
+        if msg.iteration != self.iteration:
+            return []
+        self.contributed.clear()
+        job = self.job("reset_grad", None)
+        return [record("reset", node=self.me.id, stage=self.me.stage, iteration=msg.iteration),
+                Compute(job, "reset_grad", self.me.stage, None, 0.0), self.send(sender, self._report())]
+
+    def on_commit(self, sender: NodeId, msg: Commit, now: float) -> list[Effect]:
+        if msg.iteration != self.iteration or not self.active:
+            return []
+        self.commit = msg
+        self.have_round = NONE
+        out: list[Effect] = []
+        if any(n == self.me.id and c > 0 for n, c in msg.contributors):
+            key = ("pgrad", self.me.stage, msg.iteration, self.me.id, msg.round)
+            out.append(Compute(self.job("export_grad", (msg.round, key)), "export_grad", self.me.stage,
+                               None, 0.0, (), (key,)))
+        return out + self._maybe_have(now)
+
+    def _share_grads(self, rnd: int, key: tuple[object, ...], now: float) -> list[Effect]:
+        c = self.commit
+        if c is None or c.round != rnd:
+            return []
+        count = dict(c.contributors).get(self.me.id, 0)
+        size = self.train.stage_grad_bytes[self.me.stage]
+        msg = GradShare(iteration=c.iteration, round=rnd, key=key, count=count, size_bytes=size)
+        return [self.send(r, msg) for r in c.replicas if r != self.me.id]
+
+    def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
+        if msg.iteration != self.iteration:
+            return []
+        self.shares.setdefault(msg.round, set()).add(sender)
+        return self._maybe_have(now)
+
+    def _maybe_have(self, now: float) -> list[Effect]:
+        c = self.commit
+        if c is None or self.have_round == c.round:
+            return []
+        need = {n for n, k in c.contributors if k > 0 and n != self.me.id}
+        if not need <= self.shares.get(c.round, set()):
+            return []
+        self.have_round = c.round
+        return [self.send(self.leader, Have(iteration=c.iteration, round=c.round))]
+
+    def on_step(self, sender: NodeId, msg: Step, now: float) -> list[Effect]:
+        if msg.iteration != self.iteration or self.version != msg.iteration:
+            return []
+        if self.have_round != msg.round or self.commit is None:
+            return [log("error", "step_without_gradients", iteration=msg.iteration, round=msg.round)]
+        c = self.commit
+        keys = tuple(("pgrad", self.me.stage, c.iteration, n, c.round) for n, k in c.contributors if k > 0)
+        self.version = msg.iteration + 1  # later computes run after this step (FIFO per node)
+        self._clear_iteration()
+        contributors = tuple(n for n, k in c.contributors if k > 0)
+        job = self.job("step", (msg.iteration, c.round, contributors))
+        flops = 0.0
+        return [Compute(job, "step", self.me.stage, None, flops, keys, ()), FreeIteration(msg.iteration - 1)]
+
+    def aggregation_compute_done(self, kind: str, ref: object, now: float) -> list[Effect]:
+        if kind == "export_grad":
+            rnd, key = ref  # type: ignore[misc]
+            return self._share_grads(rnd, key, now)
+        if kind == "step":
+            it, rnd, contributors = ref  # type: ignore[misc]
+            return [record("step", node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,
+                           version=it + 1, contributors=contributors), FreeIteration(it)]
+        return []
+
+    def on_rollback(self, sender: NodeId, msg: Rollback, now: float) -> list[Effect]:
+        self._clear_iteration()
+        self.pending_fwd.clear()
+        self.version = msg.version
+        self.iteration = msg.version
+        self.started_iter = NONE
+        if not self.active:
+            return []
+        job = self.job("load_checkpoint", msg.version)
+        size = self.train.stage_state_bytes[self.me.stage]
+        key = ("state", self.me.stage, msg.version, "checkpoint")
+        return [record("rollback_node", node=self.me.id, version=msg.version),
+                FreeIteration(10**9), Compute(job, "load_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+
+    def mb_of(self, c: Contrib) -> MbId:
+        return (c[0], self.iteration, c[1])

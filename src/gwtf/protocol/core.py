@@ -1,0 +1,203 @@
+"""NodeCore: the sans-IO state machine of one node, driven by the simulator and the runtime.
+
+Owns: the public API both drivers call (`on_start`, `on_message`, `on_timer`,
+`on_compute_done`, `on_send_failed`, `on_leave`), event dispatch (messages by TYPE prefix:
+"flow."/"swarm." to the router, the rest to the training, membership and aggregation parts;
+timers by key[0]), loopback delivery of messages a node sends to itself, and reliable resending
+of control messages whose send failed. The behaviour lives in the mixins: `training`
+(microbatch data plane and in-flight recovery), `membership` (directory, failure detection,
+join, leave), `aggregation` (replica side of the barrier and the redo planner) and `leader`
+(the coordinator's side). `docs/protocol.md` is the narrative.
+
+Every call returns a list of effects: base `Send`/`SetTimer`/`CancelTimer`/`Log` plus
+`messages.Compute`/`Record`/`FreeIteration`. A driver runs a node's `Compute`s one at a time in
+the order they were emitted and answers each with `on_compute_done`.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from gwtf.config import ProtocolConfig
+from gwtf.protocol import messages as m
+from gwtf.protocol.aggregation import AggregationMixin
+from gwtf.protocol.base import Message, NodeId, Send, log
+from gwtf.protocol.leader import LeaderMixin
+from gwtf.protocol.ledger import CoreState, Effect, Policy, TrainParams
+from gwtf.protocol.membership import MembershipMixin
+from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
+from gwtf.protocol.simple_router import GreedyRouter
+from gwtf.protocol.training import TrainingMixin
+
+__all__ = ["NodeCore", "Policy", "TrainParams", "make_router"]
+
+HANDLERS: dict[str, str] = {
+    "train.fwd": "on_forward", "train.passed": "on_passed", "train.bwd": "on_backward",
+    "train.back": "on_backack", "train.redo": "on_redo", "train.redoack": "on_redoack",
+    "train.gget": "on_gradrequest",
+    "mem.hb": "on_heartbeat", "mem.hback": "on_heartbeat_ack", "mem.up": "on_member_up",
+    "mem.down": "on_member_down", "mem.evicted": "on_evicted", "mem.leave": "on_leave_notice",
+    "mem.join": "on_join_request", "mem.welcome": "on_welcome", "mem.sget": "on_state_request",
+    "mem.state": "on_state_transfer", "mem.ready": "on_ready", "mem.refetch": "on_refetch",
+    "agg.start": "on_iter_start", "agg.collect": "on_collect", "agg.report": "on_report",
+    "agg.reset": "on_reset", "agg.commit": "on_commit", "agg.grad": "on_grad_share",
+    "agg.have": "on_have", "agg.step": "on_step", "agg.rollback": "on_rollback",
+}
+
+RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStart, m.Collect, m.Reset,
+            m.MemberUp, m.MemberDown, m.Rollback, m.StateTransfer, m.StateRequest, m.Welcome, m.JoinRequest)
+
+LinkPrior = Callable[[PeerInfo, PeerInfo], LinkEstimate]
+
+
+def make_router(name: str, me: PeerInfo, train: TrainParams) -> Router:
+    """The router `protocol.router` names ("greedy" now; "flow" once gwtf.protocol.flow lands)."""
+    if name == "flow":
+        try:
+            from gwtf.protocol.flow import FlowAgent  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:  # pragma: no cover - depends on another part landing
+            return GreedyRouter(me, train.stages, train.activation_bytes)
+        return FlowAgent(me, train.stages, train.activation_bytes)  # type: ignore[no-any-return]
+    return GreedyRouter(me, train.stages, train.activation_bytes)
+
+
+class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
+    """One node's protocol brain: events in, effects out (see the module docstring)."""
+
+    def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
+                 router: Router | None = None, policy: Policy | None = None,
+                 link_prior: LinkPrior | None = None) -> None:
+        CoreState.__init__(self, me, cfg, train, rng, router or make_router(cfg.router, me, train),
+                           policy or Policy())
+        self.link_prior = link_prior
+        self._resends: dict[int, tuple[NodeId, Message]] = {}
+        self._resend_seq = 0
+
+    # ---- driver API --------------------------------------------------------------------
+
+    def on_start(self, now: float, known_peers: list[PeerInfo]) -> list[Effect]:
+        """Bootstrap: sim passes the initial members; a joiner (stage -1) passes one contact."""
+        out = self.membership_start(now, known_peers)
+        out += list(self.router.on_start(now))
+        if self.me.stage == 0 and self.leader == self.me.id:
+            out += self.leader_init(now, recovering=False)
+        return self._drain(out, now)
+
+    def on_message(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
+        if not self.alive:
+            return []
+        return self._drain(self._handle(sender, msg, now), now)
+
+    def on_timer(self, key: tuple[Any, ...], now: float) -> list[Effect]:
+        if not self.alive:
+            return []
+        return self._drain(self._timer(key, now), now)
+
+    def on_compute_done(self, job_id: int, now: float) -> list[Effect]:
+        entry = self.jobs.pop(job_id, None)
+        if entry is None or not self.alive:
+            return []
+        kind, ref = entry
+        out = self.training_compute_done(kind, ref, now)
+        out += self.membership_compute_done(kind, ref, now)
+        out += self.aggregation_compute_done(kind, ref, now)
+        return self._drain(out, now)
+
+    def on_send_failed(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
+        if not self.alive:
+            return []
+        return self._drain(self._send_failed(to, msg, now), now)
+
+    def on_leave(self, now: float) -> list[Effect]:
+        """Graceful leave: announce it (an announced crash); in-flight work is recovered by peers."""
+        if not self.alive:
+            return []
+        return self._drain(self.leave(now), now)
+
+    # ---- dispatch ----------------------------------------------------------------------
+
+    def _handle(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        if sender in self.suspects:
+            self.suspects.discard(sender)
+            info = self.directory.get(sender)
+            if info is not None:
+                out += list(self.router.on_peer_up(info, self.link(sender), now))
+        t = msg.TYPE
+        if t.startswith(("flow.", "swarm.")):
+            return out + list(self.router.on_message(sender, msg, now))
+        name = HANDLERS.get(t)
+        if name is None:
+            return out + [log("warning", "unknown_message", type=t, sender=sender)]
+        result: list[Effect] = getattr(self, name)(sender, msg, now)
+        return out + result
+
+    def _drain(self, effects: list[Effect], now: float) -> list[Effect]:
+        """Deliver messages addressed to this node at once; return the rest."""
+        out: list[Effect] = []
+        queue = list(effects)
+        i = 0
+        while i < len(queue):
+            e = queue[i]
+            i += 1
+            if isinstance(e, Send) and e.to == self.me.id:
+                if self.alive:
+                    queue.extend(self._handle(self.me.id, e.msg, now))
+            else:
+                out.append(e)
+        return out
+
+    def _timer(self, key: tuple[Any, ...], now: float) -> list[Effect]:
+        kind = key[0]
+        if kind in ("flow", "swarm"):
+            return list(self.router.on_timer(key, now))
+        if kind == "hb":
+            out = self.on_heartbeat_timer(now)
+            return out + (self.leader_tick(now) if self.is_leader else [])
+        if kind == "ackf":
+            ref = key[1]
+            rec = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
+            return self.fwd_failed(ref, rec.next, now) if rec is not None else []
+        handlers: dict[str, Callable[[Any, float], list[Effect]]] = {
+            "ackb": self.bwd_failed, "redo": self.redo_failed, "gget": self.chain_failed,
+            "retry": self.on_retry, "mb": self.on_mb_deadline, "resend": self._resend_control,
+        }
+        handler = handlers.get(kind)
+        return handler(key[1], now) if handler is not None else [log("warning", "unknown_timer", key=key)]
+
+    def _send_failed(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
+        if isinstance(msg, m.Forward):
+            ref: Any = msg.mb if self.me.stage == 0 and msg.path == (self.me.id,) else msg.legs[-1]
+            return self.fwd_failed(ref, to, now)
+        if isinstance(msg, m.Backward):
+            g = self.gouts.get(msg.mb)
+            return self.bwd_failed(msg.mb, now) if g is not None and g.path[g.pos - 1] == to else []
+        if isinstance(msg, m.Redo) and not msg.agg:
+            return self.redo_failed(msg.mb, now)
+        if isinstance(msg, m.GradRequest):
+            ref = msg.legs[-1] if self.me.stage != 0 else msg.mb
+            return self.chain_failed(ref, now)
+        if isinstance(msg, RELIABLE):
+            return self._schedule_resend(to, msg, now)
+        return []
+
+    def _known(self, peer: NodeId) -> bool:
+        return peer in self.directory or peer == self.leader or peer in getattr(self, "pending_joiners", ())
+
+    def _schedule_resend(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
+        """Control messages to a live member are retried until it is declared dead."""
+        if not self._known(to):
+            return []
+        self._resend_seq += 1
+        self._resends[self._resend_seq] = (to, msg)
+        return [self.timer(("resend", self._resend_seq), self.cfg.retry_period_s, now)]
+
+    def _resend_control(self, seq: int, now: float) -> list[Effect]:
+        entry = self._resends.pop(seq, None)
+        if entry is None or not self._known(entry[0]):
+            return []
+        return [self.send(entry[0], entry[1])]

@@ -1,0 +1,261 @@
+"""The leader's side of the iteration barrier: start, collect, plan, commit, step, pause.
+
+Owns: `LeaderMixin`, what the lowest-id live data holder does in addition to being a data
+holder: start iterations, wait for every live data holder's report, collect every replica's
+contributions, run `aggregation.plan_redo` (resets and redo chains) until every expected
+microbatch is covered exactly once at every stage, then commit (two phases: Have, then Step).
+It also pauses training when a whole stage is lost and resumes from the last checkpoint once a
+node has taken the stage over, activates joiners at matching versions, and takes over from a
+crashed leader by re-collecting every node's state.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from gwtf.protocol.aggregation import Contrib, plan_redo
+from gwtf.protocol.base import Message, NodeId
+from gwtf.protocol.ledger import NONE, CoreState, Effect
+from gwtf.protocol.membership import from_tuple, to_tuple
+from gwtf.protocol.messages import (
+    Collect,
+    Commit,
+    Have,
+    IterStart,
+    MemberUp,
+    Ready,
+    Redo,
+    Refetch,
+    Report,
+    Reset,
+    Rollback,
+    Step,
+    record,
+)
+from gwtf.protocol.router import PeerInfo
+
+ROUND_GAP = 1000  # round numbers a crashed leader may have used unseen
+CHAIN_DEADLINE_FACTOR = 6.0  # a redo chain not covered after this x ack deadline is planned again
+
+
+class LeaderMixin(CoreState):
+    """Leader behaviour (see the module docstring); inert unless `is_leader`."""
+
+    is_leader: bool = False
+
+    def leader_init(self, now: float, recovering: bool) -> list[Effect]:
+        self.is_leader = True
+        self.L_t = self.iteration
+        self.L_phase = "recover" if recovering else "run"
+        self.L_reports: dict[NodeId, Report] = {}
+        self.L_expected: dict[NodeId, tuple[int, ...]] = {}
+        # a new leader's rounds must not collide with commits the old one may have sent
+        seen = max(getattr(self, "have_round", NONE), getattr(getattr(self, "commit", None), "round", NONE))
+        self.L_round = max(getattr(self, "L_round", 0), seen) + (ROUND_GAP if recovering else 0)
+        self.L_haves: set[NodeId] = set()
+        self.L_commit_set: set[NodeId] = set()
+        self.L_pending: dict[Contrib, float] = {}
+        self.L_waiting_joiners: set[NodeId] = set()
+        self.L_lost_from = NONE
+        for pid in self.directory:
+            self.last_hb.setdefault(pid, now)  # type: ignore[attr-defined]
+        if recovering:
+            return self._broadcast(Collect(iteration=self.L_t, leader=self.me.id), include_self=True)
+        return self.start_iteration(self.L_t, now)
+
+    def become_leader(self, now: float) -> list[Effect]:
+        return [record("leader_takeover", node=self.me.id, iteration=self.iteration)] + \
+            self.leader_init(now, recovering=True)
+
+    def _broadcast(self, msg: Message, include_self: bool = False) -> list[Effect]:
+        return [self.send(p, msg) for p in sorted(self.directory) if include_self or p != self.me.id]
+
+    def _stage_members(self) -> list[list[NodeId]]:
+        members: list[list[NodeId]] = [[] for _ in range(self.S)]
+        for pid in sorted(self.directory):
+            members[self.directory[pid].stage].append(pid)
+        return members
+
+    # ---- iteration lifecycle ----------------------------------------------------------
+
+    def start_iteration(self, t: int, now: float) -> list[Effect]:
+        if self.train.iterations and t >= self.train.iterations:
+            self.L_phase = "finished"
+            return [record("training_done", iterations=t)]
+        self.L_t = t
+        self.L_reports, self.L_expected, self.L_pending = {}, {}, {}
+        self.L_haves, self.L_commit_set = set(), set()
+        out: list[Effect] = [record("iter_start", iteration=t, members=len(self.directory))]
+        for j in sorted(self.L_waiting_joiners):
+            out.append(self.send(j, Refetch(iteration=t)))
+        self.L_waiting_joiners.clear()
+        if any(not m for m in self._stage_members()):
+            return out + self._pause(now)
+        self.L_phase = "run"
+        return out + self._broadcast(IterStart(iteration=t, leader=self.me.id), include_self=True)
+
+    def _pause(self, now: float) -> list[Effect]:
+        if self.L_phase != "paused":
+            self.L_phase = "paused"
+            self.L_lost_from = self.L_t
+            empty = [k for k, m in enumerate(self._stage_members()) if not m]
+            return [record("stage_lost", stages=tuple(empty), iteration=self.L_t)]
+        return []
+
+    def on_report(self, sender: NodeId, msg: Report, now: float) -> list[Effect]:
+        if not self.is_leader or sender not in self.directory:
+            return []
+        if self.L_phase == "recover":
+            self.L_reports[sender] = msg
+            return self._recover_check(now)
+        if msg.iteration != self.L_t or self.L_phase in ("paused", "finished"):
+            return []
+        self.L_reports[sender] = msg
+        if msg.dh_done and self.directory[sender].stage == 0:
+            self.L_expected[sender] = msg.dh_completed
+        return self._check(now)
+
+    def _recover_check(self, now: float) -> list[Effect]:
+        if not set(self.directory) <= set(self.L_reports):
+            return []
+        reports = self.L_reports
+        top = max(r.version for r in reports.values())
+        out: list[Effect] = []
+        for pid, r in sorted(reports.items()):
+            if r.version < top:  # the old leader died while sending Step: finish it
+                out.append(self.send(pid, Step(iteration=r.version, round=r.have_round)))
+        self.L_t = top
+        self.L_phase = "run"
+        self.L_reports, self.L_expected, self.L_pending = {}, {}, {}
+        out += self._broadcast(IterStart(iteration=top, leader=self.me.id), include_self=True)
+        for pid, r in sorted(reports.items()):
+            if r.version == top and r.iteration == top:
+                out += self.on_report(pid, r, now)
+        return out
+
+    def _check(self, now: float) -> list[Effect]:
+        if self.L_phase == "run":
+            dhs = {p for p in self.directory if self.directory[p].stage == 0}
+            if not dhs <= set(self.L_expected):
+                return []
+            self.L_phase = "collect"
+            out: list[Effect] = [record("collect", iteration=self.L_t)]
+            out += [self.send(p, Collect(iteration=self.L_t, leader=self.me.id))
+                    for p in sorted(self.directory) if p not in dhs]
+            return out + self._check(now)
+        if self.L_phase == "collect":
+            return self._plan(now)
+        if self.L_phase == "commit" and self.L_commit_set <= self.L_haves:
+            return self._step(now)
+        return []
+
+    def _plan(self, now: float) -> list[Effect]:
+        if not set(self.directory) <= set(self.L_reports):
+            return []
+        contrib = {p: (r.stage, frozenset(r.contributed)) for p, r in self.L_reports.items() if p in self.directory}
+        plan = plan_redo(self.S, self.L_expected, contrib)
+        out: list[Effect] = []
+        for victim in plan.resets:
+            self.L_reports.pop(victim, None)
+            out.append(self.send(victim, Reset(iteration=self.L_t)))
+        if plan.resets:
+            return out + [record("agg_reset", iteration=self.L_t, nodes=plan.resets)]
+        for ch in plan.chains:
+            deadline = self.L_pending.get(ch.mb)
+            if deadline is not None and deadline > now:
+                continue
+            self.L_pending[ch.mb] = now + CHAIN_DEADLINE_FACTOR * self.ack_deadline_s(ch.start_node, 0)
+            mb = (ch.mb[0], self.L_t, ch.mb[1])
+            out.append(record("redo", node=self.me.id, mb=mb, start=ch.start, until=ch.until, mode="aggregation"))
+            out.append(self.send(ch.start_node, Redo(mb=mb, path=ch.path, legs=(), start=ch.start, until=ch.until,
+                                                     holder=ch.holder, agg=True)))
+        if plan.chains:
+            return out
+        return out + self._commit(contrib, now)
+
+    def _commit(self, contrib: dict[NodeId, tuple[int, frozenset[Contrib]]], now: float) -> list[Effect]:
+        self.L_round += 1
+        self.L_phase = "commit"
+        self.L_haves = set()
+        self.L_commit_set = set(self.directory)
+        out: list[Effect] = []
+        for stage, members in enumerate(self._stage_members()):
+            contributors = tuple((p, len(contrib[p][1])) for p in members if contrib[p][1])
+            mbs = {p: tuple(sorted(contrib[p][1])) for p, _ in contributors}
+            out.append(record("decision", iteration=self.L_t, round=self.L_round, stage=stage,
+                              contributions=mbs, expected=tuple(sorted(self.L_expected.items()))))
+            msg = Commit(iteration=self.L_t, round=self.L_round, contributors=contributors, replicas=tuple(members))
+            out += [self.send(p, msg) for p in members]
+        return out
+
+    def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
+        if not self.is_leader or self.L_phase != "commit" or msg.round != self.L_round:
+            return []
+        self.L_haves.add(sender)
+        return self._check(now)
+
+    def _step(self, now: float) -> list[Effect]:
+        t = self.L_t
+        out: list[Effect] = [record("iteration_done", iteration=t, round=self.L_round,
+                                    expected=sum(len(v) for v in self.L_expected.values()))]
+        out += [self.send(p, Step(iteration=t, round=self.L_round)) for p in sorted(self.L_commit_set)]
+        if (t + 1) % self.cfg.checkpoint_every == 0:
+            out.append(record("checkpoint", version=t + 1))
+        return out + self.start_iteration(t + 1, now)
+
+    # ---- churn ------------------------------------------------------------------------
+
+    def on_member_dead(self, pid: NodeId, stage: int, now: float) -> list[Effect]:
+        if not self.is_leader:
+            return []
+        self.L_reports.pop(pid, None)
+        self.L_haves.discard(pid)
+        self.L_commit_set.discard(pid)
+        out: list[Effect] = []
+        if stage == 0 and self.L_phase in ("run", "collect", "commit", "recover"):
+            dropped = self.L_expected.pop(pid, None)
+            out.append(record("dh_lost", node=pid, iteration=self.L_t,
+                              started=len(dropped) if dropped is not None else NONE))
+        self.L_pending.clear()
+        if self.L_phase in ("paused", "finished"):
+            return out
+        if any(not m for m in self._stage_members()):
+            return out + self._pause(now)
+        if self.L_phase == "commit":
+            self.L_phase = "collect"  # a replica left mid-commit: agree again (new round)
+        if self.L_phase == "recover":
+            return out + self._recover_check(now)
+        return out + self._check(now)
+
+    def leader_tick(self, now: float) -> list[Effect]:
+        if self.L_phase == "collect" and any(d <= now for d in self.L_pending.values()):
+            return self._plan(now)
+        return []
+
+    def on_ready(self, sender: NodeId, msg: Ready, now: float) -> list[Effect]:
+        if not self.is_leader:
+            return []
+        self.pending_joiners.discard(sender)  # type: ignore[attr-defined]
+        self.last_hb[sender] = now  # type: ignore[attr-defined]
+        if self.L_phase == "paused" or (self.L_phase == "run" and msg.version == self.L_t):
+            return self._activate(sender, from_tuple(msg.peer), now)
+        self.pending_joiners.add(sender)  # type: ignore[attr-defined]
+        self.L_waiting_joiners.add(sender)
+        return []
+
+    def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Effect]:
+        self.directory[pid] = info
+        out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.L_t)]
+        out += self._broadcast(MemberUp(peer=to_tuple(info)), include_self=False)
+        out += self._peer_up(info, now)  # type: ignore[attr-defined]
+        if self.L_phase == "paused" and all(self._stage_members()):
+            out += self._resume(now)
+        return out
+
+    def _resume(self, now: float) -> list[Effect]:
+        ckpt = self.L_lost_from - self.L_lost_from % self.cfg.checkpoint_every
+        out: list[Effect] = [record("rollback", lost_from=self.L_lost_from, version=ckpt,
+                                    lost_iterations=self.L_lost_from - ckpt)]
+        out += self._broadcast(Rollback(version=ckpt, lost_from=self.L_lost_from), include_self=True)
+        self.L_phase = "run"
+        return out + self.start_iteration(ckpt, now)

@@ -1,0 +1,205 @@
+"""Per-node microbatch ledger and the shared state every NodeCore part works on.
+
+Owns: `TrainParams` (iteration parameters), `Policy` (the seam the SWARM baseline implements),
+the ledger records (`Leg`: one forward a relay received; `Origin`: one microbatch a data holder
+started; `GradOut`: a gradient sent back and not yet acknowledged), and `CoreState`, the fields
+and small helpers (send, timers, deadlines, link moving averages) that the training,
+membership and aggregation parts of `NodeCore` share.
+
+What the ledger keeps (DESIGN.md 5, exactly once): every activation a node sent forward and every
+gradient it sent back stays cached until the iteration's step, because aggregation-time redo
+(a replica died after its backward passes) needs them. `contributed[mb]` records the microbatches
+whose backward this node accumulated, the only thing that counts toward a stage's update.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gwtf.config import ProtocolConfig
+from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
+from gwtf.protocol.messages import NONE, MbId, TensorKey
+from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
+
+Effect = Any  # base Send/SetTimer/CancelTimer/Log + messages.Compute/Record/FreeIteration
+
+DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainParams:
+    """What one iteration is: sizes and FLOPs the core puts on its effects (no tensors)."""
+
+    stages: int
+    microbatches: int  # M: per data holder per iteration
+    iterations: int  # stop after this many steps (0 = never stop)
+    activation_bytes: int
+    stage_flops: tuple[float, ...]  # fwd+bwd FLOPs of one microbatch at each stage
+    stage_state_bytes: tuple[int, ...]  # weights + optimizer state per stage (join transfer)
+    stage_grad_bytes: tuple[int, ...]  # gradient bytes per stage (aggregation exchange)
+    tokens_per_microbatch: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Policy:
+    """How a system reacts to churn. gwtf: redo only the crashed stage. SWARM: restart the
+    microbatch through the whole pipeline. `rebalance_every` > 0 calls `NodeCore.rebalance`
+    (a hook the baselines may override) every that many iterations."""
+
+    name: str = "gwtf"
+    backward_recovery: Literal["stage", "restart"] = "stage"
+    rebalance_every: int = 0
+
+
+Phase = Literal["fwd", "out", "passed", "parked", "gradwait", "bwd", "done"]
+
+
+@dataclass(slots=True)
+class Leg:
+    """A relay's handling of one forward it received (key: its local leg number `n`)."""
+
+    n: int
+    mb: MbId
+    sender: NodeId
+    path: tuple[NodeId, ...]  # up to and including the sender
+    legs: tuple[int, ...]
+    in_key: TensorKey
+    out_key: TensorKey
+    flow_id: int
+    until: int = NONE
+    holder: NodeId = ""
+    agg: bool = False
+    phase: Phase = "fwd"
+    next: NodeId = ""
+    excl: set[NodeId] = field(default_factory=set)
+    sent_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Origin:
+    """A data holder's microbatch (its leg number is the microbatch index)."""
+
+    mb: MbId
+    out_key: TensorKey
+    phase: str = "embed"  # embed|out|passed|parked|loss|backward|embed_bwd|done
+    next: NodeId = ""
+    flow_id: int = NONE
+    excl: set[NodeId] = field(default_factory=set)
+    started_at: float = 0.0
+    sent_at: float = 0.0
+    until: int = NONE
+    holder: NodeId = ""
+    agg: bool = False
+    incomplete: bool = False
+    restarts: int = 0
+
+
+@dataclass(slots=True)
+class GradOut:
+    """A gradient sent back to `path[pos - 1]`, waiting for its BackAck (or a redo walk)."""
+
+    mb: MbId
+    path: tuple[NodeId, ...]
+    legs: tuple[int, ...]
+    pos: int  # position of this node on the cycle (S for the data holder's return)
+    key: TensorKey
+    sent_at: float
+    redo_start: int = NONE  # >= 1 while a Redo(start) is out
+
+
+class CoreState:
+    """Fields and helpers shared by the NodeCore parts (see the module docstring)."""
+
+    def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
+                 router: Router, policy: Policy) -> None:
+        self.me = me
+        self.cfg = cfg
+        self.train = train
+        self.rng = rng
+        self.router = router
+        self.policy = policy
+        self.S = train.stages
+        self.alive = True
+        self.active = me.stage >= 0  # a joiner is inactive until the leader activates it
+        self.iteration = 0  # current iteration (from the leader)
+        self.version = 0  # optimizer steps applied to this node's stage
+        self.directory: dict[NodeId, PeerInfo] = {}
+        self.links: dict[NodeId, LinkEstimate] = {}
+        self.suspects: set[NodeId] = set()
+        self.ack_ema_s: dict[NodeId, float] = {}
+        self.leader: NodeId = ""
+        self._job_seq = 0
+        self.jobs: dict[int, tuple[str, Any]] = {}
+        # ledger (cleared every iteration)
+        self.legs: dict[int, Leg] = {}
+        self._leg_seq = 0
+        self.origins: dict[MbId, Origin] = {}
+        self.contributed: dict[MbId, int] = {}
+        self.grad_cache: dict[MbId, tuple[TensorKey, tuple[NodeId, ...], tuple[int, ...]]] = {}
+        self.gouts: dict[MbId, GradOut] = {}
+        self.pending_fwd: list[tuple[NodeId, Message]] = []
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def job(self, kind: str, ref: Any) -> int:
+        self._job_seq += 1
+        self.jobs[self._job_seq] = (kind, ref)
+        return self._job_seq
+
+    def new_leg(self) -> int:
+        self._leg_seq += 1
+        return self._leg_seq
+
+    def send(self, to: NodeId, msg: Message) -> Send:
+        return Send(to, msg)
+
+    def timer(self, key: tuple[Any, ...], delay_s: float, now: float) -> SetTimer:
+        return SetTimer(key, now + delay_s)
+
+    def cancel(self, key: tuple[Any, ...]) -> CancelTimer:
+        return CancelTimer(key)
+
+    def link(self, peer: NodeId) -> LinkEstimate:
+        return self.links.get(peer, DEFAULT_LINK)
+
+    def ack_deadline_s(self, peer: NodeId, size_bytes: int) -> float:
+        """Adaptive deadline: multiplier x EMA of observed ack delays, never below the floor."""
+        ema = self.ack_ema_s.get(peer)
+        if ema is None:
+            link = self.link(peer)
+            info = self.directory.get(peer)
+            compute_s = info.compute_s if info is not None else 1.0
+            cap = info.capacity if info is not None else 1
+            ema = 2 * link.latency_s + size_bytes / link.bandwidth_bytes_per_s + compute_s * (1 + cap)
+        return max(self.cfg.deadline_floor_s, self.cfg.deadline_multiplier * ema)
+
+    def observe_ack(self, peer: NodeId, delay_s: float) -> None:
+        a = self.cfg.ema_alpha
+        old = self.ack_ema_s.get(peer)
+        self.ack_ema_s[peer] = delay_s if old is None else (1 - a) * old + a * delay_s
+
+    def observe_transfer(self, peer: NodeId, size_bytes: int, rtt_s: float) -> list[Effect]:
+        """A Backward/BackAck round trip: update the bandwidth EMA; tell the router on change."""
+        old = self.link(peer)
+        transfer_s = max(rtt_s - 2 * old.latency_s, 0.05 * rtt_s, 1e-9)
+        sample = size_bytes / transfer_s
+        a = self.cfg.ema_alpha
+        bw = (1 - a) * old.bandwidth_bytes_per_s + a * sample
+        new = LinkEstimate(old.latency_s, bw)
+        self.links[peer] = new
+        if abs(bw - old.bandwidth_bytes_per_s) > 0.2 * old.bandwidth_bytes_per_s:
+            return list(self.router.on_link_update(peer, new, rtt_s))
+        return []
+
+    def mb_key(self, kind: str, mb: MbId, n: int) -> TensorKey:
+        """Tensor key of this node's `kind` tensor for microbatch `mb` on its leg `n`."""
+        return (kind, mb[0], mb[1], mb[2], self.me.id, n)
+
+    def release(self, peer: NodeId) -> None:
+        hook = getattr(self.router, "on_release", None)
+        if hook is not None:
+            hook(peer)

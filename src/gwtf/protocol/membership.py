@@ -1,0 +1,302 @@
+"""Membership part of NodeCore: directory, failure detection, leader choice, join and leave.
+
+Owns:
+- the directory (every member's PeerInfo) and the link priors/estimates the router sees;
+- failure detection: every node heartbeats the leader (lowest-id live data holder); the leader
+  declares a node dead after `evict_after_s` of silence and broadcasts `MemberDown`; nodes
+  declare the leader dead the same way and fail over to the next data holder by id. Per-message
+  ack deadlines (training part) only *suspect* a peer: it is skipped for routing until it is
+  heard from again (an unreachable link is treated like a crash for routing);
+- join (DESIGN.md 5): a new node asks any member, the leader answers with the directory and
+  per-stage utilisation; the node picks the bottleneck stage, fetches weights + optimizer state
+  from a live replica (or the last checkpoint when the stage is empty), says `Ready`, and the
+  leader activates it at an iteration boundary whose version matches;
+- graceful leave: an announced crash (`LeaveNotice`); the leader evicts at once.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.ledger import NONE, CoreState, Effect, Leg, Origin
+from gwtf.protocol.messages import (
+    Compute,
+    Evicted,
+    Heartbeat,
+    HeartbeatAck,
+    JoinRequest,
+    LeaveNotice,
+    MemberDown,
+    MemberUp,
+    PeerTuple,
+    Ready,
+    StateRequest,
+    StateTransfer,
+    Welcome,
+    record,
+)
+from gwtf.protocol.router import PeerInfo
+
+UNKNOWN_STAGE_LOAD = 1e9  # utilisation reported for a stage with no live replica
+
+
+def to_tuple(p: PeerInfo) -> PeerTuple:
+    return (p.id, p.stage, p.region, p.compute_s, p.capacity, p.demand)
+
+
+def from_tuple(t: PeerTuple) -> PeerInfo:
+    return PeerInfo(id=t[0], stage=t[1], region=t[2], compute_s=t[3], capacity=t[4], demand=t[5])
+
+
+class MembershipMixin(CoreState):
+    """Directory, heartbeats, eviction, leader failover, join, leave, state transfer."""
+
+    is_leader: bool = False
+
+    def membership_start(self, now: float, known: list[PeerInfo]) -> list[Effect]:
+        self.last_leader_s = now
+        self.last_hb: dict[NodeId, float] = {}
+        self.pending_joiners: set[NodeId] = set()
+        self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / max(self.me.compute_s, 1e-9)
+        out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
+        if self.me.stage < 0:
+            out.append(record("join_start", node=self.me.id))
+            if known:
+                out.append(self.send(known[0].id, JoinRequest(peer=to_tuple(self.me))))
+            return out
+        self.directory = {p.id: p for p in known}
+        self.directory[self.me.id] = self.me
+        for p in known:
+            self.last_hb[p.id] = now
+            out += self._peer_up(p, now)
+        self.leader = self._choose_leader()
+        return out
+
+    def _peer_up(self, p: PeerInfo, now: float) -> list[Effect]:
+        if p.id == self.me.id:
+            return []
+        if p.id not in self.links and self.link_prior is not None:
+            self.links[p.id] = self.link_prior(self.me, p)
+        return list(self.router.on_peer_up(p, self.link(p.id), now))
+
+    def _choose_leader(self) -> NodeId:
+        dhs = [pid for pid, p in self.directory.items() if p.stage == 0]
+        return min(dhs) if dhs else ""
+
+    # ---- heartbeats --------------------------------------------------------------------
+
+    def on_heartbeat_timer(self, now: float) -> list[Effect]:
+        out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
+        if self.is_leader:
+            horizon = now - self.cfg.evict_after_s
+            for pid in sorted(p for p, t in self.last_hb.items() if t < horizon):
+                if pid in self.directory:
+                    out += self.evict(pid, False, now)
+                else:
+                    self.last_hb.pop(pid, None)
+                    self.pending_joiners.discard(pid)
+            return out
+        if not self.leader:
+            return out
+        silent_s = now - self.last_leader_s
+        if silent_s > self.cfg.partition_timeout_s:
+            return out + self.stop("partitioned", now)
+        if silent_s > self.cfg.evict_after_s and self.leader in self.directory:
+            out.append(record("leader_lost", node=self.me.id, leader=self.leader))
+            out += self.peer_down(self.leader, now)
+        elif silent_s > self.cfg.suspect_after_s:
+            out.append(log("info", "leader_suspected", leader=self.leader))
+        if self.leader and self.leader != self.me.id:
+            out.append(self.send(self.leader, Heartbeat(version=self.version)))
+        return out
+
+    def on_heartbeat(self, sender: NodeId, msg: Heartbeat, now: float) -> list[Effect]:
+        if not self.is_leader:
+            return []
+        if sender not in self.directory and sender not in self.pending_joiners:
+            return [self.send(sender, Evicted())]
+        self.last_hb[sender] = now
+        return [self.send(sender, HeartbeatAck(leader=self.me.id, iteration=self.iteration))]
+
+    def on_heartbeat_ack(self, sender: NodeId, msg: HeartbeatAck, now: float) -> list[Effect]:
+        if sender == self.leader:
+            self.last_leader_s = now
+        return []
+
+    # ---- failures ----------------------------------------------------------------------
+
+    def evict(self, pid: NodeId, graceful: bool, now: float) -> list[Effect]:
+        """Leader: declare `pid` dead and tell everyone."""
+        self.last_hb.pop(pid, None)
+        out: list[Effect] = [record("evict", node=pid, by=self.me.id, graceful=graceful)]
+        msg = MemberDown(node=pid, graceful=graceful)
+        out += [self.send(q, msg) for q in sorted(self.directory) if q not in (pid, self.me.id)]
+        return out + self.peer_down(pid, now)
+
+    def on_member_down(self, sender: NodeId, msg: MemberDown, now: float) -> list[Effect]:
+        if msg.node == self.me.id:
+            return self.stop("evicted", now)
+        return self.peer_down(msg.node, now)
+
+    def on_evicted(self, sender: NodeId, msg: Evicted, now: float) -> list[Effect]:
+        return self.stop("evicted", now)
+
+    def stop(self, reason: str, now: float) -> list[Effect]:
+        self.alive = False
+        return [record("self_stop", node=self.me.id, reason=reason)]
+
+    def peer_down(self, pid: NodeId, now: float) -> list[Effect]:
+        """`pid` is gone: drop it, recover every piece of in-flight work that waited on it."""
+        info = self.directory.pop(pid, None)
+        if info is None:
+            return []
+        self.suspects.discard(pid)
+        out: list[Effect] = list(self.router.on_peer_down(pid, now))
+        for n in sorted(self.legs):
+            leg = self.legs[n]
+            out += self._recover_rec(leg, n, pid, now)
+        for mb in sorted(self.origins):
+            out += self._recover_rec(self.origins[mb], mb, pid, now)
+        for mb in sorted(self.gouts):
+            g = self.gouts.get(mb)
+            if g is None:
+                continue
+            if g.redo_start == NONE and g.path[g.pos - 1] == pid:
+                out += self.bwd_failed(mb, now)  # type: ignore[attr-defined]
+            elif g.redo_start != NONE and g.path[g.redo_start - 1] == pid:
+                out += self.redo_failed(mb, now)  # type: ignore[attr-defined]
+        if pid == self.leader:
+            self.leader = self._choose_leader()
+            self.last_leader_s = now
+            out.append(record("leader_change", node=self.me.id, leader=self.leader))
+            if self.leader == self.me.id:
+                out += self.become_leader(now)
+        return out + self.on_member_dead(pid, info.stage, now)
+
+    def _recover_rec(self, rec: Leg | Origin, ref: int | tuple[str, int, int], pid: NodeId,
+                     now: float) -> list[Effect]:
+        if rec.phase == "out" and rec.next == pid:
+            return self.fwd_failed(ref, pid, now)  # type: ignore[attr-defined,no-any-return]
+        if rec.phase == "gradwait" and rec.holder == pid:
+            return self.chain_failed(ref, now)  # type: ignore[attr-defined,no-any-return]
+        return []
+
+    def on_member_dead(self, pid: NodeId, stage: int, now: float) -> list[Effect]:  # leader overrides
+        return []
+
+    def become_leader(self, now: float) -> list[Effect]:  # aggregation overrides
+        return []
+
+    def on_member_up(self, sender: NodeId, msg: MemberUp, now: float) -> list[Effect]:
+        p = from_tuple(msg.peer)
+        if p.id == self.me.id:
+            self.active = True
+            self.iteration = self.version
+            return [record("activated", node=self.me.id, stage=self.me.stage, version=self.version)]
+        self.directory[p.id] = p
+        return self._peer_up(p, now)
+
+    def on_leave_notice(self, sender: NodeId, msg: LeaveNotice, now: float) -> list[Effect]:
+        if self.is_leader and sender in self.directory:
+            return self.evict(sender, True, now)
+        return []
+
+    def leave(self, now: float) -> list[Effect]:
+        out: list[Effect] = [record("leave", node=self.me.id)]
+        if self.leader and self.leader != self.me.id:
+            out.append(self.send(self.leader, LeaveNotice()))
+        elif self.is_leader:
+            out += [self.send(q, MemberDown(node=self.me.id, graceful=True))
+                    for q in sorted(self.directory) if q != self.me.id]
+        self.alive = False
+        return out
+
+    # ---- join --------------------------------------------------------------------------
+
+    def on_join_request(self, sender: NodeId, msg: JoinRequest, now: float) -> list[Effect]:
+        if not self.is_leader:
+            return [self.send(self.leader, msg)] if self.leader else []
+        joiner = msg.peer[0]
+        self.pending_joiners.add(joiner)
+        self.last_hb[joiner] = now
+        members = tuple(to_tuple(self.directory[p]) for p in sorted(self.directory))
+        welcome = Welcome(members=members, utilisation=self.utilisation(),
+                          iteration=self.iteration, checkpoint_iteration=self.checkpoint_version())
+        return [self.send(joiner, welcome)]
+
+    def utilisation(self) -> tuple[float, ...]:
+        """Per stage: microbatches per iteration / the stage's live capacity."""
+        cap = [0] * self.S
+        demand = 0
+        for p in self.directory.values():
+            cap[p.stage] += p.capacity
+            if p.stage == 0:
+                demand += min(self.train.microbatches, p.capacity)
+        return tuple(demand / c if c else UNKNOWN_STAGE_LOAD for c in cap)
+
+    def checkpoint_version(self) -> int:
+        return self.version - self.version % self.cfg.checkpoint_every
+
+    def on_welcome(self, sender: NodeId, msg: Welcome, now: float) -> list[Effect]:
+        if self.me.stage >= 0:
+            return []
+        util = msg.utilisation
+        stage = max(range(1, self.S), key=lambda k: (util[k], -k))  # relays only; ties: lowest
+        self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / self.speed_flops_per_s)
+        set_me = getattr(self.router, "set_me", None)
+        if set_me is not None:
+            set_me(self.me)
+        self.directory = {p[0]: from_tuple(p) for p in msg.members}
+        self.directory[self.me.id] = self.me
+        self.leader = sender
+        self.last_leader_s = now
+        self.iteration = msg.iteration
+        out: list[Effect] = [record("join_stage", node=self.me.id, stage=stage, utilisation=util[stage])]
+        for pid in sorted(self.directory):
+            out += self._peer_up(self.directory[pid], now)
+        return out + self.fetch_state(msg.checkpoint_iteration, now)
+
+    def fetch_state(self, checkpoint: int, now: float) -> list[Effect]:
+        replicas = sorted(p for p, info in self.directory.items() if info.stage == self.me.stage and p != self.me.id)
+        size = self.train.stage_state_bytes[self.me.stage]
+        if replicas:
+            return [self.send(self.rng.choice(replicas), StateRequest(stage=self.me.stage))]
+        key = ("state", self.me.stage, checkpoint, "checkpoint")
+        job = self.job("load_checkpoint", checkpoint)
+        return [Compute(job, "load_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+
+    def on_state_request(self, sender: NodeId, msg: StateRequest, now: float) -> list[Effect]:
+        if msg.stage != self.me.stage or not self.active:
+            return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
+        key = ("state", self.me.stage, self.version, self.me.id)
+        size = self.train.stage_state_bytes[self.me.stage]
+        job = self.job("export_state", (sender, key, self.version))
+        return [Compute(job, "export_state", self.me.stage, None, 0.0, (), (key,), size)]
+
+    def on_state_transfer(self, sender: NodeId, msg: StateTransfer, now: float) -> list[Effect]:
+        if self.active or msg.stage != self.me.stage:
+            return []
+        if not msg.ok:
+            return self.fetch_state(self.checkpoint_version(), now)
+        job = self.job("import_state", msg.version)
+        return [Compute(job, "import_state", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
+
+    def membership_compute_done(self, kind: str, ref: object, now: float) -> list[Effect]:
+        if kind == "export_state":
+            to, key, version = ref  # type: ignore[misc]
+            size = self.train.stage_state_bytes[self.me.stage]
+            return [self.send(to, StateTransfer(stage=self.me.stage, version=version, key=key, size_bytes=size))]
+        if kind in ("import_state", "load_checkpoint"):
+            self.version = int(ref)  # type: ignore[call-overload]
+            if self.active:
+                return []
+            return [self.send(self.leader, Ready(stage=self.me.stage, version=self.version, peer=to_tuple(self.me)))]
+        return []
+
+    def on_refetch(self, sender: NodeId, msg: object, now: float) -> list[Effect]:
+        if self.active:
+            return []
+        return self.fetch_state(self.checkpoint_version(), now)

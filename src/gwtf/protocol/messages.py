@@ -1,0 +1,389 @@
+"""Messages and effects of the training protocol (data plane, membership, aggregation).
+
+Owns: every message NodeCore sends that is not routing ("flow." / "swarm." belong to the
+router), the training effects (`Compute`, `Record`, `FreeIteration`), and the microbatch id type.
+TYPE prefixes: "train." (microbatch data plane), "mem." (membership, join, leave, state
+transfer), "agg." (iteration barrier and aggregation).
+
+Tensor naming (the driver contract, see docs/protocol.md): a tensor-carrying message names its
+tensor by `key` (a flat tuple of str/int) and declares `size_bytes`; the receiving driver stores
+the tensor under that same key. Keys always carry the iteration at position 2, so
+`FreeIteration(t)` lets a driver drop every tensor of iterations <= t without protocol logic.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gwtf.protocol.base import Message, NodeId, message
+
+MbId = tuple[str, int, int]
+"""A microbatch: (origin data holder, iteration, index within that holder's iteration)."""
+
+TensorKey = tuple[Any, ...]
+"""("act"|"grad"|"ret"|"lgrad"|"pgrad"|"state", ...) with the iteration at position 2."""
+
+NONE = -1  # "no value" for int fields (messages carry no Optional nested types)
+
+
+# --------------------------------------------------------------------------------------------
+# Effects (beside base Send / SetTimer / CancelTimer / Log)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """Run one stage computation; the driver answers with `on_compute_done(job_id, now)`.
+
+    kind: "embed" (DH: embedding forward), "forward", "loss" (DH: head fwd+bwd, writes the
+    gradient w.r.t. the returned activation), "backward" (accumulates the stage's parameter
+    gradients), "embed_backward" (DH), "step" (optimizer step on the aggregated gradient),
+    "reset_grad" (discard accumulated gradients), "export_state" / "import_state" (weights +
+    optimizer state under a key), "load_checkpoint".
+    """
+
+    job_id: int
+    kind: str
+    stage: int
+    mb: MbId | None
+    flops: float
+    inputs: tuple[TensorKey, ...] = ()
+    outputs: tuple[TensorKey, ...] = ()
+    size_bytes: int = 0  # state/checkpoint transfers: bytes read or written
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A fact for metrics and invariant checks (the sim collects it; the runtime logs JSONL)."""
+
+    event: str
+    fields: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FreeIteration:
+    """The driver may drop every stored tensor whose key's iteration (key[2]) is <= `iteration`."""
+
+    iteration: int
+
+
+def record(event: str, **fields: Any) -> Record:
+    return Record(event, tuple(fields.items()))
+
+
+# --------------------------------------------------------------------------------------------
+# Data plane: "train."
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor(Message):
+    size_bytes: int = 0
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.size_bytes
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forward(_Tensor):
+    """An activation going to the next stage. `path`/`legs`: the nodes so far and their leg ids.
+
+    `until` >= 0 marks a redo chain: the node at stage `until - 1` asks `holder` for the
+    gradient instead of forwarding. `agg`: the chain was started by the aggregation leader.
+    """
+
+    TYPE = "train.fwd"
+    mb: MbId
+    flow_id: int
+    path: tuple[NodeId, ...]
+    legs: tuple[int, ...]
+    key: TensorKey
+    until: int = NONE
+    holder: NodeId = ""
+    agg: bool = False
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Passed(Message):
+    """Ack to the sender of leg `leg`: the activation is now the next stage's (or the DH's) job."""
+
+    TYPE = "train.passed"
+    mb: MbId
+    leg: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backward(_Tensor):
+    """A gradient going back along the route; `path`/`legs` are the full cycle (length S)."""
+
+    TYPE = "train.bwd"
+    mb: MbId
+    path: tuple[NodeId, ...]
+    legs: tuple[int, ...]
+    key: TensorKey
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackAck(Message):
+    """Ack of a Backward: the receiver has taken the gradient."""
+
+    TYPE = "train.back"
+    mb: MbId
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Redo(Message):
+    """Ask the node at stage `start - 1` of `path` to redo stages start..until-1 from its cache."""
+
+    TYPE = "train.redo"
+    mb: MbId
+    path: tuple[NodeId, ...]
+    legs: tuple[int, ...]
+    start: int
+    until: int
+    holder: NodeId
+    agg: bool = False
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RedoAck(Message):
+    TYPE = "train.redoack"
+    mb: MbId
+    start: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradRequest(Message):
+    """A redo chain's last node asks the holder for its cached gradient (answer: Backward)."""
+
+    TYPE = "train.gget"
+    mb: MbId
+    path: tuple[NodeId, ...]
+    legs: tuple[int, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# Membership: "mem."
+# --------------------------------------------------------------------------------------------
+
+PeerTuple = tuple[str, int, str, float, int, int]
+"""A PeerInfo flattened for the wire: (id, stage, region, compute_s, capacity, demand)."""
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat(Message):
+    TYPE = "mem.hb"
+    version: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatAck(Message):
+    TYPE = "mem.hback"
+    leader: NodeId
+    iteration: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberUp(Message):
+    TYPE = "mem.up"
+    peer: PeerTuple
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberDown(Message):
+    TYPE = "mem.down"
+    node: NodeId
+    graceful: bool = False
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evicted(Message):
+    """Leader to a node it has already declared dead: stop (rejoin under a new id)."""
+
+    TYPE = "mem.evicted"
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaveNotice(Message):
+    TYPE = "mem.leave"
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinRequest(Message):
+    """A new node (or a contact forwarding it) asks the leader to join; `peer` has stage -1."""
+
+    TYPE = "mem.join"
+    peer: PeerTuple
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Welcome(Message):
+    """Leader to a joiner: the directory, per-stage utilisation, and where to fetch state."""
+
+    TYPE = "mem.welcome"
+    members: tuple[PeerTuple, ...]
+    utilisation: tuple[float, ...]
+    iteration: int
+    checkpoint_iteration: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateRequest(Message):
+    TYPE = "mem.sget"
+    stage: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateTransfer(_Tensor):
+    """Weights + optimizer state of `stage` at `version` (steps applied)."""
+
+    TYPE = "mem.state"
+    stage: int
+    version: int
+    key: TensorKey
+    ok: bool = True
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready(Message):
+    """A joiner holds state `version` of `stage` and asks to be activated."""
+
+    TYPE = "mem.ready"
+    stage: int
+    version: int
+    peer: PeerTuple
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refetch(Message):
+    """Leader to a joiner whose state is stale (the swarm stepped meanwhile)."""
+
+    TYPE = "mem.refetch"
+    iteration: int
+
+
+# --------------------------------------------------------------------------------------------
+# Iteration barrier and aggregation: "agg."
+# --------------------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IterStart(Message):
+    """Leader: iteration `iteration` begins (replicas hold weight version == iteration)."""
+
+    TYPE = "agg.start"
+    iteration: int
+    leader: NodeId
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collect(Message):
+    """Leader: report your state for `iteration` (also sent by a new leader after failover)."""
+
+    TYPE = "agg.collect"
+    iteration: int
+    leader: NodeId
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Report(Message):
+    """A node's state for `iteration`: contributed microbatches (as (origin, index)), and for a
+    data holder whether it is done and which of its microbatches completed."""
+
+    TYPE = "agg.report"
+    iteration: int
+    version: int
+    stage: int
+    contributed: tuple[tuple[str, int], ...]
+    dh_done: bool = False
+    dh_completed: tuple[int, ...] = ()
+    have_round: int = NONE
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reset(Message):
+    """Leader: discard your accumulated gradient of `iteration` (it duplicated another's)."""
+
+    TYPE = "agg.reset"
+    iteration: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Commit(Message):
+    """Leader: the contributors of your stage for `iteration` (round `round`), with counts.
+
+    Contributors send their gradient to every other replica listed in `replicas`."""
+
+    TYPE = "agg.commit"
+    iteration: int
+    round: int
+    contributors: tuple[tuple[NodeId, int], ...]
+    replicas: tuple[NodeId, ...]
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradShare(_Tensor):
+    TYPE = "agg.grad"
+    iteration: int
+    round: int
+    key: TensorKey
+    count: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Have(Message):
+    """A replica holds every contributor's gradient of round `round`."""
+
+    TYPE = "agg.have"
+    iteration: int
+    round: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Step(Message):
+    """Leader: apply the step of `iteration` with the gradients of round `round`."""
+
+    TYPE = "agg.step"
+    iteration: int
+    round: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rollback(Message):
+    """Leader: a whole stage was lost; reload checkpoint `version` and resume from there."""
+
+    TYPE = "agg.rollback"
+    version: int
+    lost_from: int

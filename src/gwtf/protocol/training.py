@@ -1,0 +1,406 @@
+"""The microbatch data plane of NodeCore: forward, loss, backward, and in-flight recovery.
+
+Owns: what a data holder and a relay do with one microbatch (DESIGN.md 3 and 5):
+- forward: DH embeds and sends to a next hop from its router; relays compute and forward; the
+  last relay returns to the origin DH; every hop acks with `Passed` once the activation is the
+  next stage's job (adaptive deadline; no ack -> suspect the peer, reroute from the cached
+  activation: nothing upstream is redone);
+- backward: along the same route in reverse; each node accumulates the microbatch exactly once
+  (`contributed`), caches the gradient it sent, and waits for a `BackAck`;
+- backward crash at stage k: the gradient holder (stage k+1 or the DH) walks upstream with
+  `Redo` to the nearest live node, which sends its cached activation to another stage-k replica
+  marked as a redo chain; the chain's last node fetches the holder's cached gradient
+  (`GradRequest`), so only the crashed stage's forward+backward is redone;
+- duplicates (a reroute whose original was only slow) are ignored at the DH: the first return
+  of a microbatch wins, so a microbatch is back-propagated along one route only.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.ledger import CoreState, Effect, GradOut, Leg, Origin
+from gwtf.protocol.messages import (
+    NONE,
+    BackAck,
+    Backward,
+    Compute,
+    Forward,
+    GradRequest,
+    MbId,
+    Passed,
+    Redo,
+    RedoAck,
+    TensorKey,
+    record,
+)
+
+EMBED, LOSS, EMBED_BWD = 0.05, 0.9, 0.05  # shares of stage 0's fwd+bwd FLOPs
+FWD, BWD = 1.0 / 3.0, 2.0 / 3.0  # relay shares
+
+
+class TrainingMixin(CoreState):
+    """Data-holder and relay behaviour for one microbatch (see the module docstring)."""
+
+    # ---- data holder: start -----------------------------------------------------------
+
+    def dh_start_iteration(self, now: float) -> list[Effect]:
+        self.dh_started = 0
+        self.rt_ema_s: float = getattr(self, "rt_ema_s", 0.0)
+        return self._dh_fill(now)
+
+    def _dh_fill(self, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        cap = max(1, min(self.me.capacity, self.train.microbatches))
+        inflight = sum(1 for o in self.origins.values() if o.phase != "done" and not o.incomplete)
+        while self.dh_started < self.train.microbatches and inflight < cap:
+            mb = (self.me.id, self.iteration, self.dh_started)
+            self.dh_started += 1
+            inflight += 1
+            o = Origin(mb=mb, out_key=self.mb_key("act", mb, mb[2]), started_at=now)
+            self.origins[mb] = o
+            out.append(record("mb_start", mb=mb, node=self.me.id))
+            flops = EMBED * self.train.stage_flops[0]
+            out.append(Compute(self.job("embed", mb), "embed", 0, mb, flops, (), (o.out_key,)))
+            out.append(self.timer(("mb", mb), self._mb_deadline_s(), now))
+        return out
+
+    def _mb_deadline_s(self) -> float:
+        return max(self.cfg.mb_deadline_floor_s, self.cfg.mb_deadline_multiplier * self.rt_ema_s)
+
+    def _dh_progress(self, now: float) -> list[Effect]:
+        out = self._dh_fill(now)
+        if self.dh_started >= self.train.microbatches and all(
+            o.phase == "done" or o.incomplete for o in self.origins.values()
+        ):
+            out += self.dh_done(now)
+        return out
+
+    def dh_done(self, now: float) -> list[Effect]:  # overridden by the aggregation part
+        return []
+
+    def after_contribution(self, now: float) -> list[Effect]:  # overridden by aggregation
+        return []
+
+    # ---- forward sending (DH first hop, relays, redo chains) ----------------------------
+
+    def _pick_next(self, mb: MbId, stage: int, prev: NodeId, flow_id: int, excl: set[NodeId],
+                   now: float) -> tuple[NodeId, int] | None:
+        if stage == self.S - 1:
+            return mb[0], flow_id  # the last relay returns to the origin data holder
+        banned = excl | self.suspects
+        if stage == 0 and flow_id == NONE:
+            busy = {o.flow_id for o in self.origins.values() if o.phase in ("out", "passed")}
+            for slot in self.router.flow_slots(now):
+                if slot.flow_id not in busy and slot.next not in banned:
+                    return slot.next, slot.flow_id
+        return self.router.next_hop(flow_id, prev, mb[0], banned, now)
+
+    def _send_forward(self, rec: Leg | Origin, path: tuple[NodeId, ...], legs: tuple[int, ...],
+                      prev: NodeId, now: float) -> list[Effect]:
+        stage = self.me.stage
+        choice = self._pick_next(rec.mb, stage, prev, rec.flow_id if isinstance(rec, Leg) else NONE,
+                                 rec.excl, now)
+        ref = rec.n if isinstance(rec, Leg) else rec.mb
+        if choice is None:
+            rec.phase = "parked"
+            return [self.timer(("retry", ref), self.cfg.retry_period_s, now)]
+        nxt, flow_id = choice
+        rec.next, rec.flow_id, rec.phase, rec.sent_at = nxt, flow_id, "out", now
+        size = self.train.activation_bytes
+        msg = Forward(mb=rec.mb, flow_id=flow_id, path=path, legs=legs, key=rec.out_key, size_bytes=size,
+                      until=rec.until, holder=rec.holder, agg=rec.agg)
+        return [self.send(nxt, msg), self.timer(("ackf", ref), self.ack_deadline_s(nxt, size), now)]
+
+    def _resend(self, rec: Leg | Origin, now: float) -> list[Effect]:
+        if isinstance(rec, Leg):
+            return self._send_forward(rec, rec.path + (self.me.id,), rec.legs + (rec.n,), rec.sender, now)
+        return self._send_forward(rec, (self.me.id,), (rec.mb[2],), self.me.id, now)
+
+    def fwd_failed(self, ref: int | MbId, peer: NodeId, now: float) -> list[Effect]:
+        """No Passed from `peer` in time (or it is down): suspect it, reroute from the cache."""
+        rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
+        if rec is None or rec.phase != "out" or rec.next != peer:
+            return []
+        out: list[Effect] = [self.cancel(("ackf", ref)), record("reroute", node=self.me.id, mb=rec.mb,
+                                                                  dead=peer)]
+        if isinstance(rec, Leg) and self.me.stage == self.S - 1 and rec.until == NONE:
+            rec.phase = "done"  # the origin data holder is gone: its microbatch is dropped
+            return out
+        self.release(peer)
+        rec.excl.add(peer)
+        return out + self.suspect(peer, now) + self._resend(rec, now)
+
+    def suspect(self, peer: NodeId, now: float) -> list[Effect]:  # membership overrides
+        return []
+
+    def on_retry(self, ref: int | MbId, now: float) -> list[Effect]:
+        rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
+        if rec is None or rec.phase != "parked":
+            return []
+        return self._resend(rec, now)
+
+    # ---- receiving ----------------------------------------------------------------------
+
+    def on_forward(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
+        if msg.mb[1] > self.iteration:
+            self.pending_fwd.append((sender, msg))  # IterStart not seen yet: keep it
+            return []
+        if msg.mb[1] < self.iteration or not self.active:
+            return [log("debug", "stale_forward", mb=msg.mb, sender=sender)]
+        if self.me.stage == 0:
+            return self._dh_return(sender, msg, now)
+        if len(msg.path) != self.me.stage:
+            return [log("warning", "wrong_stage_forward", mb=msg.mb, sender=sender)]
+        n = self.new_leg()
+        leg = Leg(n=n, mb=msg.mb, sender=sender, path=msg.path, legs=msg.legs, in_key=msg.key,
+                  out_key=self.mb_key("act", msg.mb, n), flow_id=msg.flow_id, until=msg.until,
+                  holder=msg.holder, agg=msg.agg)
+        self.legs[n] = leg
+        flops = FWD * self.train.stage_flops[self.me.stage]
+        return [Compute(self.job("forward", n), "forward", self.me.stage, msg.mb, flops, (msg.key,),
+                        (leg.out_key,))]
+
+    def _dh_return(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
+        out: list[Effect] = [self.send(sender, Passed(mb=msg.mb, leg=msg.legs[-1]))]
+        o = self.origins.get(msg.mb)
+        if o is None or o.phase not in ("out", "passed", "parked"):
+            return out + [record("dup_return", node=self.me.id, mb=msg.mb)]
+        out.append(self.cancel(("ackf", o.mb)))
+        self.release(o.next)
+        o.phase = "loss"
+        lgrad = self.mb_key("lgrad", o.mb, o.mb[2])
+        flops = LOSS * self.train.stage_flops[0]
+        job = self.job("loss", (o.mb, msg.path, msg.legs, lgrad))
+        return out + [Compute(job, "loss", 0, o.mb, flops, (msg.key,), (lgrad,))]
+
+    def on_passed(self, sender: NodeId, msg: Passed, now: float) -> list[Effect]:
+        if self.me.stage == 0:
+            rec: Leg | Origin | None = self.origins.get(msg.mb)
+            ref: int | MbId = msg.mb
+        else:
+            rec = self.legs.get(msg.leg)
+            ref = msg.leg
+        if rec is None or rec.phase != "out" or rec.next != sender or rec.mb != msg.mb:
+            return []
+        rec.phase = "passed"
+        self.observe_ack(sender, now - rec.sent_at)
+        out: list[Effect] = [self.cancel(("ackf", ref))]
+        if isinstance(rec, Leg):
+            out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1])))
+        return out
+
+    def on_backward(self, sender: NodeId, msg: Backward, now: float) -> list[Effect]:
+        if msg.mb[1] != self.iteration:
+            return []
+        pos = self.me.stage
+        out: list[Effect] = [self.send(sender, BackAck(mb=msg.mb))]
+        if msg.mb in self.contributed:
+            return out  # end of an aggregation redo chain, or a duplicate: counted once already
+        if pos == 0:
+            o = self.origins.get(msg.mb)
+            if o is None:
+                return out
+            o.phase = "embed_bwd"
+            out.append(self.cancel(("gget", o.mb)))
+            flops = EMBED_BWD * self.train.stage_flops[0]
+            job = self.job("embed_backward", o.mb)
+            return out + [Compute(job, "embed_backward", 0, o.mb, flops, (msg.key,), ())]
+        leg = self.legs.get(msg.legs[pos]) if len(msg.legs) == self.S else None
+        if leg is None or leg.mb != msg.mb or leg.phase == "bwd":
+            return out + [log("warning", "unknown_backward", mb=msg.mb, sender=sender)]
+        if leg.phase == "gradwait":
+            out.append(self.cancel(("gget", leg.n)))
+        elif leg.next:
+            self.release(leg.next)
+        leg.phase = "bwd"
+        gkey = self.mb_key("grad", leg.mb, leg.n)
+        flops = BWD * self.train.stage_flops[pos]
+        job = self.job("backward", (leg.n, msg.path, msg.legs, gkey))
+        return out + [Compute(job, "backward", pos, leg.mb, flops, (leg.in_key, leg.out_key, msg.key),
+                              (gkey,))]
+
+    # ---- compute completions ------------------------------------------------------------
+
+    def training_compute_done(self, kind: str, ref: object, now: float) -> list[Effect]:
+        if kind == "embed":
+            o = self.origins.get(ref)  # type: ignore[arg-type]
+            if o is None or o.phase != "embed":
+                return []
+            return self._resend(o, now)
+        if kind == "forward":
+            return self._forward_done(ref, now)  # type: ignore[arg-type]
+        if kind == "loss":
+            mb, path, legs, lgrad = ref  # type: ignore[misc]
+            o = self.origins.get(mb)
+            if o is None:
+                return []
+            o.phase = "backward"
+            self.grad_cache[mb] = (lgrad, path, legs)
+            return self._send_grad(mb, path, legs, self.S, lgrad, now)
+        if kind == "backward":
+            n, path, legs, gkey = ref  # type: ignore[misc]
+            leg = self.legs.get(n)
+            if leg is None or leg.mb in self.contributed:
+                return []
+            leg.phase = "done"
+            return self._contribute(leg.mb, n, now) + self._after_backward(leg, path, legs, gkey, now)
+        if kind == "embed_backward":
+            o = self.origins.get(ref)  # type: ignore[arg-type]
+            if o is None or o.mb in self.contributed:
+                return []
+            o.phase = "done"
+            o.incomplete = False
+            dt = now - o.started_at
+            a = self.cfg.ema_alpha
+            self.rt_ema_s = dt if self.rt_ema_s == 0.0 else (1 - a) * self.rt_ema_s + a * dt
+            return [self.cancel(("mb", o.mb))] + self._contribute(o.mb, NONE, now) + self._dh_progress(now)
+        return []
+
+    def _contribute(self, mb: MbId, n: int, now: float) -> list[Effect]:
+        self.contributed[mb] = n
+        out: list[Effect] = [record("contribute", node=self.me.id, stage=self.me.stage, mb=mb)]
+        return out + self.after_contribution(now)
+
+    def _after_backward(self, leg: Leg, path: tuple[NodeId, ...], legs: tuple[int, ...], gkey: TensorKey,
+                        now: float) -> list[Effect]:
+        self.grad_cache[leg.mb] = (gkey, path, legs)
+        return self._send_grad(leg.mb, path, legs, self.me.stage, gkey, now)
+
+    def _forward_done(self, n: int, now: float) -> list[Effect]:
+        leg = self.legs.get(n)
+        if leg is None or leg.phase != "fwd":
+            return []
+        if leg.until != NONE and self.me.stage + 1 == leg.until:
+            # end of a redo chain: the holder has the gradient; we are now responsible
+            leg.phase = "gradwait"
+            req = GradRequest(mb=leg.mb, path=leg.path + (self.me.id,), legs=leg.legs + (n,))
+            return [self.send(leg.sender, Passed(mb=leg.mb, leg=leg.legs[-1])), self.send(leg.holder, req),
+                    self.timer(("gget", n), self.ack_deadline_s(leg.holder, self.train.activation_bytes), now)]
+        return self._resend(leg, now)
+
+    # ---- backward sending and the redo walk -------------------------------------------
+
+    def _send_grad(self, mb: MbId, path: tuple[NodeId, ...], legs: tuple[int, ...], pos: int,
+                   key: TensorKey, now: float) -> list[Effect]:
+        size = self.train.activation_bytes
+        self.gouts[mb] = GradOut(mb=mb, path=path, legs=legs, pos=pos, key=key, sent_at=now)
+        to = path[pos - 1]
+        return [self.send(to, Backward(mb=mb, path=path, legs=legs, key=key, size_bytes=size)),
+                self.timer(("ackb", mb), self.ack_deadline_s(to, size), now)]
+
+    def on_backack(self, sender: NodeId, msg: BackAck, now: float) -> list[Effect]:
+        g = self.gouts.get(msg.mb)
+        if g is None or g.path[g.pos - 1] != sender or g.redo_start != NONE:
+            return []
+        del self.gouts[msg.mb]
+        return [self.cancel(("ackb", msg.mb))] + self.observe_transfer(
+            sender, self.train.activation_bytes, now - g.sent_at)
+
+    def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
+        """The node we sent a gradient to is gone: ask the nearest live upstream node to redo."""
+        g = self.gouts.get(mb)
+        if g is None or g.redo_start != NONE:
+            return []
+        dead = g.path[g.pos - 1]
+        out: list[Effect] = [self.cancel(("ackb", mb))] + self.suspect(dead, now)
+        start = 1 if self.policy.backward_recovery == "restart" else g.pos - 1
+        return out + self._redo_walk(g, start, now)
+
+    def _redo_walk(self, g: GradOut, start: int, now: float) -> list[Effect]:
+        if start < 1:
+            del self.gouts[g.mb]
+            return [record("abandoned", node=self.me.id, mb=g.mb, reason="origin_lost")]
+        g.redo_start = start
+        to = g.path[start - 1]
+        msg = Redo(mb=g.mb, path=g.path, legs=g.legs, start=start, until=g.pos, holder=self.me.id)
+        return [record("redo", node=self.me.id, mb=g.mb, start=start, until=g.pos, mode="inflight"),
+                self.send(to, msg), self.timer(("redo", g.mb), self.ack_deadline_s(to, 0), now)]
+
+    def on_redoack(self, sender: NodeId, msg: RedoAck, now: float) -> list[Effect]:
+        g = self.gouts.get(msg.mb)
+        if g is None or g.redo_start != msg.start:
+            return []
+        g.redo_start = NONE
+        g.sent_at = now
+        return [self.cancel(("redo", msg.mb))]
+
+    def redo_failed(self, mb: MbId, now: float) -> list[Effect]:
+        g = self.gouts.get(mb)
+        if g is None or g.redo_start == NONE:
+            return []
+        out: list[Effect] = [self.cancel(("redo", mb))] + self.suspect(g.path[g.redo_start - 1], now)
+        start = g.redo_start - 1
+        g.redo_start = NONE
+        return out + self._redo_walk(g, start, now)
+
+    def on_redo(self, sender: NodeId, msg: Redo, now: float) -> list[Effect]:
+        """We hold the activation for stage `start`: send it to another replica as a redo chain."""
+        if msg.mb[1] != self.iteration:
+            return []
+        rec: Leg | Origin | None
+        if self.me.stage == 0:
+            rec = self.origins.get(msg.mb)
+        elif msg.agg:
+            n = self.contributed.get(msg.mb)
+            rec = self.legs.get(n) if n is not None else None
+        else:
+            rec = self.legs.get(msg.legs[msg.start - 1]) if len(msg.legs) >= msg.start else None
+        if rec is None:
+            return [log("warning", "redo_without_cache", mb=msg.mb, start=msg.start)]
+        out: list[Effect] = [self.send(sender, RedoAck(mb=msg.mb, start=msg.start))]
+        if rec.phase == "out":
+            out.append(self.cancel(("ackf", rec.n if isinstance(rec, Leg) else rec.mb)))
+        rec.until, rec.holder, rec.agg = msg.until, msg.holder, msg.agg
+        if msg.start < len(msg.path):
+            rec.excl.add(msg.path[msg.start])
+        if msg.start == 0 and isinstance(rec, Origin):
+            return out + self._dh_stage0_redo(rec, now)
+        return out + self._resend(rec, now)
+
+    def _dh_stage0_redo(self, o: Origin, now: float) -> list[Effect]:
+        if o.until > 1:
+            return self._resend(o, now)
+        o.phase = "gradwait"
+        req = GradRequest(mb=o.mb, path=(self.me.id,), legs=(o.mb[2],))
+        return [self.send(o.holder, req), self.timer(("gget", o.mb), self.ack_deadline_s(o.holder, 0), now)]
+
+    def on_gradrequest(self, sender: NodeId, msg: GradRequest, now: float) -> list[Effect]:
+        cached = self.grad_cache.get(msg.mb)
+        if cached is None or msg.mb[1] != self.iteration:
+            return [log("warning", "grad_request_without_cache", mb=msg.mb)]
+        key, path, legs = cached
+        hpos = self.S if self.me.stage == 0 else self.me.stage
+        full = msg.path + path[hpos:]
+        full_legs = msg.legs + legs[hpos:]
+        self.gouts.pop(msg.mb, None)
+        out: list[Effect] = [self.cancel(("ackb", msg.mb)), self.cancel(("redo", msg.mb))]
+        return out + self._send_grad(msg.mb, full, full_legs, hpos, key, now)
+
+    def chain_failed(self, ref: int | MbId, now: float) -> list[Effect]:
+        """The holder of a redo chain did not answer: give up; the leader redoes it at aggregation."""
+        rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
+        if rec is None or rec.phase != "gradwait":
+            return []
+        rec.phase = "done"
+        return [record("chain_failed", node=self.me.id, mb=rec.mb)]
+
+    def on_mb_deadline(self, mb: MbId, now: float) -> list[Effect]:
+        """DH safety net: restart a lost forward; give up waiting for a lost backward."""
+        o = self.origins.get(mb)
+        if o is None or o.phase == "done" or o.incomplete or mb[1] != self.iteration:
+            return []
+        out: list[Effect] = [self.timer(("mb", mb), self._mb_deadline_s(), now)]
+        if o.phase in ("out", "passed", "parked"):
+            o.restarts += 1
+            if o.next:
+                o.excl.add(o.next)
+            if len(o.excl) > 8:
+                o.excl.clear()
+            out.append(self.cancel(("ackf", mb)))
+            return out + [record("mb_restart", node=self.me.id, mb=mb)] + self._resend(o, now)
+        if o.phase in ("loss", "backward", "gradwait", "embed_bwd"):
+            o.incomplete = True
+            return out + [record("mb_incomplete", node=self.me.id, mb=mb)] + self._dh_progress(now)
+        return out

@@ -1,0 +1,122 @@
+"""Invariants checked on every simulated run, from the Records the cores emit.
+
+Owns: `InvariantChecker`. Violations are strings (the first 50 kept, all counted); tests assert
+there are none.
+
+1. Exactly once: every applied aggregation decision (a `decision` record whose round some
+   replica stepped with) covers each expected microbatch exactly once at its stage, names no
+   microbatch twice, and names only microbatches that were started. Every data holder that
+   started microbatches in the iteration and was alive at the decision is in the expected set,
+   with all the microbatches it started (a crashed DH's microbatches are dropped and counted).
+2. Same weights: all replicas of a stage step iteration t with the same round and contributors
+   and reach version t+1.
+3. Progress / no microbatch in flight forever: an iteration completes at least every
+   `progress_bound_s` unless a whole stage is lost; a run that ends before its iterations
+   without a lost stage deadlocked. At the end, all live active replicas hold the same version.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_KEPT = 50
+
+
+class InvariantChecker:
+    def __init__(self, stages: int, progress_bound_s: float) -> None:
+        self.stages = stages
+        self.progress_bound_s = progress_bound_s
+        self.violations: list[str] = []
+        self.count = 0
+        self.epoch = 0  # bumps on every rollback: an iteration may then run again
+        self.dead_at: dict[str, float] = {}
+        self.started: dict[tuple[int, int], dict[str, set[int]]] = {}
+        self.decisions: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+        self.applied: dict[tuple[int, int, int], tuple[int, tuple[str, ...]]] = {}
+        self.last_progress_s = 0.0
+        self.stage_lost = False
+
+    def violate(self, text: str) -> None:
+        self.count += 1
+        if len(self.violations) < MAX_KEPT:
+            self.violations.append(text)
+
+    def on_dead(self, node: str, now: float) -> None:
+        self.dead_at.setdefault(node, now)
+
+    def on_record(self, now: float, node: str, event: str, f: dict[str, Any]) -> None:
+        if event == "mb_start":
+            mb = f["mb"]
+            self.started.setdefault((self.epoch, mb[1]), {}).setdefault(mb[0], set()).add(mb[2])
+        elif event == "decision":
+            key = (self.epoch, f["iteration"], f["round"], f["stage"])
+            self.decisions[key] = {"time": now, "contributions": f["contributions"], "expected": f["expected"]}
+        elif event == "step":
+            self._on_step(now, node, f)
+        elif event == "iteration_done":
+            self._progress(now)
+            self.stage_lost = False
+        elif event == "stage_lost":
+            self.stage_lost = True
+        elif event == "rollback":
+            self.epoch += 1
+            self.last_progress_s = now
+            self.stage_lost = False
+
+    def _progress(self, now: float) -> None:
+        if now - self.last_progress_s > self.progress_bound_s and not self.stage_lost:
+            self.violate(f"no_progress: {now - self.last_progress_s:.1f}s without an iteration at t={now:.1f}")
+        self.last_progress_s = now
+
+    def _on_step(self, now: float, node: str, f: dict[str, Any]) -> None:
+        it, rnd, stage = f["iteration"], f["round"], f["stage"]
+        if f["version"] != it + 1:
+            self.violate(f"version: {node} stepped iteration {it} to version {f['version']}")
+        akey = (self.epoch, it, stage)
+        contributors = tuple(f["contributors"])
+        prev = self.applied.get(akey)
+        if prev is not None:
+            if prev != (rnd, contributors):
+                self.violate(f"divergent_step: {node} stage {stage} iteration {it} round {rnd} vs {prev[0]}")
+            return
+        self.applied[akey] = (rnd, contributors)
+        d = self.decisions.get((self.epoch, it, rnd, stage))
+        if d is None:
+            self.violate(f"step_without_decision: {node} iteration {it} round {rnd} stage {stage}")
+            return
+        self._check_decision(it, stage, d)
+
+    def _check_decision(self, it: int, stage: int, d: dict[str, Any]) -> None:
+        seen: dict[tuple[str, int], str] = {}
+        for rep, mbs in sorted(d["contributions"].items()):
+            for mb in mbs:
+                mb = tuple(mb)
+                if mb in seen:
+                    self.violate(f"twice: {mb} at stage {stage} iteration {it} by {seen[mb]} and {rep}")
+                seen[mb] = rep
+        started = self.started.get((self.epoch, it), {})
+        for mb in seen:
+            if mb[1] not in started.get(mb[0], set()):
+                self.violate(f"phantom: {mb} at stage {stage} iteration {it} was never started")
+        expected = {dh: set(idx) for dh, idx in d["expected"]}
+        for dh, idx in sorted(expected.items()):
+            for i in sorted(idx):
+                if (dh, i) not in seen:
+                    self.violate(f"missing: {(dh, i)} at stage {stage} iteration {it}")
+        for dh, idx in sorted(started.items()):
+            died = self.dead_at.get(dh)
+            if died is not None and died <= d["time"]:
+                continue
+            if expected.get(dh) != idx:
+                self.violate(f"dropped_live_dh: {dh} iteration {it} stage {stage} expected "
+                             f"{sorted(expected.get(dh, ()))} started {sorted(idx)}")
+
+    def finish(self, now: float, finished: bool, stage_lost: bool, versions: dict[str, int]) -> None:
+        if not finished and not stage_lost:
+            self.violate(f"deadlock: run ended at t={now:.1f} before its iterations with every stage alive")
+        if finished and len(set(versions.values())) > 1:
+            self.violate(f"final_versions_differ: {sorted(set(versions.values()))}")
+        if not finished and not stage_lost:
+            self._progress(now)

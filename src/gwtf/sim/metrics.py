@@ -1,0 +1,154 @@
+"""Run metrics: training time, throughput, GPU waste, recovery time, per-iteration timeline.
+
+Owns: `Metrics`, fed by the simulator with Records, compute jobs and churn events, and its
+`summary()` (plain dict, rounded, no wall-clock values: same seed -> same bytes) and
+`timeline_rows()` (timeline.csv). Definitions (docs/simulator.md):
+- busy_s: every compute second any node spent;
+- discarded_s: compute seconds spent on a microbatch at a node whose contribution for it never
+  entered an applied step (crashed replica, reset duplicate, rerouted original, rolled-back
+  iteration); iterations unfinished when the run stops are left out of both;
+- available_s: seconds each active node was alive during the run; idle_s = available - busy;
+- gpu_waste_fraction = (discarded_s + idle_s) / available_s; discarded_fraction = discarded_s / busy_s.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Metrics:
+    def __init__(self, tokens_per_microbatch: int) -> None:
+        self.tokens_per_mb = tokens_per_microbatch
+        self.busy_s = 0.0
+        self.mb_work: dict[int, dict[tuple[str, tuple[str, int]], float]] = {}
+        self.useful_s = 0.0
+        self.mb_compute_s = 0.0
+        self.rows: list[dict[str, Any]] = []
+        self.iter_start_s: dict[int, float] = {}
+        self.counters: dict[str, int] = {}
+        self.done_times: list[float] = []
+        self.microbatches = 0
+        self.crash_times: list[float] = []
+        self.alive_since: dict[str, float] = {}
+        self.available_s = 0.0
+        self.finished_at: float | None = None
+        self._applied: set[tuple[int, int, int]] = set()
+        self.discarded_s = 0.0
+        self.last_done = -1
+        self._decisions: dict[tuple[int, int, int], dict[str, Any]] = {}
+
+    def bump(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def node_up(self, node: str, now: float) -> None:
+        self.alive_since.setdefault(node, now)
+
+    def node_down(self, node: str, now: float) -> None:
+        t0 = self.alive_since.pop(node, None)
+        if t0 is not None:
+            self.available_s += now - t0
+
+    def on_job(self, node: str, kind: str, mb: tuple[str, int, int] | None, dur_s: float) -> None:
+        self.busy_s += dur_s
+        if mb is not None:
+            self.mb_compute_s += dur_s
+            per = self.mb_work.setdefault(mb[1], {})
+            key = (node, (mb[0], mb[2]))
+            per[key] = per.get(key, 0.0) + dur_s
+
+    def on_record(self, now: float, node: str, event: str, f: dict[str, Any]) -> None:
+        if event in ("reroute", "redo", "mb_restart", "reset", "abandoned", "evict", "join", "dup_return",
+                     "mb_incomplete", "chain_failed", "leader_takeover", "stage_lost", "self_stop"):
+            self.bump(event if event != "redo" else f"redo_{f.get('mode', '')}")
+        if event == "iter_start":
+            self.iter_start_s[f["iteration"]] = now
+        elif event == "decision":
+            self._decisions[(f["iteration"], f["round"], f["stage"])] = f["contributions"]
+        elif event == "step":
+            key = (f["iteration"], f["round"], f["stage"])
+            if key not in self._applied:
+                self._applied.add(key)
+                per = self.mb_work.get(f["iteration"], {})
+                for rep, mbs in self._decisions.get(key, {}).items():
+                    for mb in mbs:
+                        self.useful_s += per.pop((rep, tuple(mb)), 0.0)
+        elif event == "iteration_done":
+            self._iteration_done(now, f)
+        elif event == "dh_lost":
+            self.bump("dh_lost")
+            if f.get("started", -1) > 0:
+                self.bump("microbatches_dropped", f["started"])
+        elif event == "rollback":
+            self.bump("rollbacks")
+            self.bump("lost_iterations", f["lost_iterations"])
+            for it in sorted(i for i in self.mb_work if i >= f["version"]):
+                self.discarded_s += sum(self.mb_work.pop(it).values())
+        elif event == "training_done":
+            self.finished_at = now
+
+    def _iteration_done(self, now: float, f: dict[str, Any]) -> None:
+        it = f["iteration"]
+        self.microbatches += f["expected"]
+        self.done_times.append(now)
+        start = self.iter_start_s.get(it, now)
+        self.rows.append({"iteration": it, "start_s": round(start, 6), "end_s": round(now, 6),
+                          "duration_s": round(now - start, 6), "microbatches": f["expected"],
+                          "round": f["round"], "crashes_so_far": len(self.crash_times),
+                          "dropped_so_far": self.counters.get("microbatches_dropped", 0),
+                          "redo_so_far": self.counters.get("redo_inflight", 0)
+                          + self.counters.get("redo_aggregation", 0)})
+        self.last_done = it
+        # the steps of iteration it-1 are all applied by now: what is left was never used
+        self.discarded_s += sum(self.mb_work.pop(it - 1, {}).values())
+
+    def summary(self, end_s: float, iterations_target: int) -> dict[str, Any]:
+        for node in sorted(self.alive_since):
+            self.node_down(node, end_s)
+        training_time = self.finished_at if self.finished_at is not None else end_s
+        unfinished = 0.0
+        for it in sorted(self.mb_work):
+            rest = sum(self.mb_work[it].values())
+            if it <= self.last_done:
+                self.discarded_s += rest
+            else:
+                unfinished += rest
+        self.mb_work.clear()
+        discarded = self.discarded_s
+        busy = max(self.busy_s - unfinished, 1e-12)
+        idle = max(0.0, self.available_s - self.busy_s)
+        recovery = self._recovery()
+        return {
+            "training_time_s": round(training_time, 3),
+            "iterations": len(self.rows),
+            "iterations_target": iterations_target,
+            "finished": self.finished_at is not None,
+            "microbatches": self.microbatches,
+            "throughput_microbatches_per_s": round(self.microbatches / training_time, 6) if training_time else 0.0,
+            "throughput_tokens_per_s": round(self.microbatches * self.tokens_per_mb / training_time, 3)
+            if training_time else 0.0,
+            "busy_s": round(self.busy_s, 3),
+            "discarded_s": round(discarded, 3),
+            "idle_s": round(idle, 3),
+            "available_s": round(self.available_s, 3),
+            "discarded_fraction": round(discarded / busy, 6),
+            "gpu_waste_fraction": round((discarded + idle) / self.available_s, 6) if self.available_s else 0.0,
+            "recovery_time_mean_s": round(sum(recovery) / len(recovery), 3) if recovery else 0.0,
+            "recovery_time_max_s": round(max(recovery), 3) if recovery else 0.0,
+            "crashes": len(self.crash_times),
+            "counters": dict(sorted(self.counters.items())),
+        }
+
+    def _recovery(self) -> list[float]:
+        out = []
+        j = 0
+        for tc in sorted(self.crash_times):
+            while j < len(self.done_times) and self.done_times[j] < tc:
+                j += 1
+            if j < len(self.done_times):
+                out.append(self.done_times[j] - tc)
+        return out
+
+    def timeline_rows(self) -> list[dict[str, Any]]:
+        return self.rows

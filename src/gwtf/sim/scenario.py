@@ -1,0 +1,190 @@
+"""Simulator scenarios: the `ScenarioConfig` tree, its loader, and what it builds.
+
+Owns: the scenario dataclasses (TOML files in configs/scenarios/, loaded strictly with
+`gwtf.config.from_dict`: unknown key or bad value -> UserError naming the key), `load_scenario`
+(file + `--set` overrides), and `build` (scenario + seed -> Instance, TrainParams, per-node
+speeds). A scenario is data: nodes, model, iterations, churn rates, link instability, scripted
+faults, protocol knobs.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gwtf.config import ModelConfig, ProtocolConfig, from_dict, merge_overrides, read_toml
+from gwtf.errors import UserError
+from gwtf.flow.generate import generate_instance
+from gwtf.flow.instance import Instance
+from gwtf.model.presets import model_spec
+from gwtf.protocol.ledger import TrainParams
+
+
+def _req(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise UserError(f"scenario: {key} {why}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSection:
+    family: Literal["gpt", "llama"] = "gpt"
+    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "124m"
+    seq_len: int = 1024
+    microbatch_size: int = 8
+    stages: int = 4
+    vocab_size: int = 2048
+
+    def __post_init__(self) -> None:
+        _req(self.stages >= 2, "model.stages", "must be >= 2")
+        _req(self.seq_len >= 2, "model.seq_len", "must be >= 2")
+        _req(self.microbatch_size >= 1, "model.microbatch_size", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodesSection:
+    count: int = 16
+    data_holders: int = 4
+    network: str = "geo10"
+    demand_per_dh: int = 0  # microbatches per data holder per iteration; 0 = train.microbatches
+    relay_capacity: tuple[int, ...] = ()  # (lo, hi): uniform draw; () = memory model
+    jitter_fraction: float = 0.0  # per-link noise on the network table
+
+    def __post_init__(self) -> None:
+        _req(self.count >= 2, "nodes.count", "must be >= 2")
+        _req(1 <= self.data_holders < self.count, "nodes.data_holders", "must be in [1, nodes.count)")
+        _req(self.demand_per_dh >= 0, "nodes.demand_per_dh", "must be >= 0")
+        _req(len(self.relay_capacity) in (0, 2), "nodes.relay_capacity", "must be [] or [lo, hi]")
+        _req(self.jitter_fraction >= 0, "nodes.jitter_fraction", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSection:
+    microbatches: int = 4  # M per data holder per iteration
+    iterations: int = 10
+
+    def __post_init__(self) -> None:
+        _req(self.microbatches >= 1, "train.microbatches", "must be >= 1")
+        _req(self.iterations >= 1, "train.iterations", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChurnSection:
+    crash_rate_per_hour: float = 0.0  # per node: 0.10 = 10%/h
+    leave_rate_per_hour: float = 0.0  # per node, graceful
+    join_rate_per_hour: float = 0.0  # swarm-wide arrivals of new nodes
+    trace: str = ""  # CSV file: time_s,event,node (crash|leave|join); overrides the rates
+    spare_leader: bool = False  # never crash the first data holder (isolates other effects)
+
+    def __post_init__(self) -> None:
+        for k in ("crash_rate_per_hour", "leave_rate_per_hour", "join_rate_per_hour"):
+            _req(getattr(self, k) >= 0, f"churn.{k}", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinksSection:
+    events_per_hour: float = 0.0  # swarm-wide link instability windows
+    duration_s: float = 60.0
+    latency_factor: float = 3.0
+    bandwidth_divisor: float = 4.0
+    cut_fraction: float = 0.2  # share of windows that cut the link entirely
+
+    def __post_init__(self) -> None:
+        _req(self.events_per_hour >= 0, "links.events_per_hour", "must be >= 0")
+        _req(self.duration_s > 0, "links.duration_s", "must be > 0")
+        _req(self.latency_factor >= 1, "links.latency_factor", "must be >= 1")
+        _req(self.bandwidth_divisor >= 1, "links.bandwidth_divisor", "must be >= 1")
+        _req(0 <= self.cut_fraction <= 1, "links.cut_fraction", "must be in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fault:
+    """One scripted fault. `event`: crash | leave | join | cut | degrade | crash_stage.
+
+    Triggered at `time_s`, or (when `after_event` is set) right after the `count`-th Record
+    named `after_event` (by `node` if given: "" = whichever node records it, crashing that one).
+    """
+
+    event: Literal["crash", "leave", "join", "cut", "degrade", "crash_stage"]
+    time_s: float = 0.0
+    node: str = ""
+    peer: str = ""  # cut / degrade: the other end of the link
+    stage: int = -1  # crash_stage: every replica of this stage
+    after_event: str = ""
+    count: int = 1
+    duration_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _req(self.time_s >= 0, "faults.time_s", "must be >= 0")
+        _req(self.count >= 1, "faults.count", "must be >= 1")
+        _req(self.duration_s > 0, "faults.duration_s", "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimSection:
+    compute_jitter: float = 0.05  # +- share of every compute duration (seeded)
+    control_bytes: int = 256  # header bytes of every message
+    send_fail_delay_s: float = 1.0  # a send to a dead node / over a cut link fails after this
+    checkpoint_bandwidth_bytes_per_s: float = 100e6
+    max_time_s: float = 86400.0  # stop the simulation at this virtual time
+    progress_bound_s: float = 3600.0  # invariant: an iteration completes at least this often
+
+    def __post_init__(self) -> None:
+        _req(0 <= self.compute_jitter < 1, "sim.compute_jitter", "must be in [0, 1)")
+        _req(self.send_fail_delay_s > 0, "sim.send_fail_delay_s", "must be > 0")
+        _req(self.checkpoint_bandwidth_bytes_per_s > 0, "sim.checkpoint_bandwidth_bytes_per_s", "must be > 0")
+        _req(self.max_time_s > 0, "sim.max_time_s", "must be > 0")
+        _req(self.progress_bound_s > 0, "sim.progress_bound_s", "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScenarioConfig:
+    name: str = "scenario"
+    description: str = ""
+    model: ModelSection = field(default_factory=ModelSection)
+    nodes: NodesSection = field(default_factory=NodesSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    churn: ChurnSection = field(default_factory=ChurnSection)
+    links: LinksSection = field(default_factory=LinksSection)
+    sim: SimSection = field(default_factory=SimSection)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    faults: tuple[Fault, ...] = ()
+
+    def __post_init__(self) -> None:
+        relays = self.nodes.count - self.nodes.data_holders
+        _req(relays >= self.model.stages - 1, "nodes.count",
+             f"leaves {relays} relays for {self.model.stages - 1} relay stages: a stage with no node")
+
+
+def load_scenario(path: str | Path | None, overrides: list[str] | None = None) -> ScenarioConfig:
+    data: dict[str, Any] = read_toml(path) if path else {}
+    data = merge_overrides(data, overrides or [])
+    return from_dict(ScenarioConfig, data)
+
+
+def build(sc: ScenarioConfig, seed: int) -> tuple[Instance, TrainParams]:
+    """Instance (nodes, network) and iteration parameters for one seeded run."""
+    m = sc.model
+    demand = sc.nodes.demand_per_dh or sc.train.microbatches
+    rc = sc.nodes.relay_capacity
+    inst = generate_instance(
+        sc.nodes.count, m.stages, sc.nodes.data_holders, network=sc.nodes.network, seed=seed, model=m.family,
+        preset=m.preset, microbatch_size=m.microbatch_size, seq_len=m.seq_len, vocab_size=m.vocab_size,
+        demand_per_dh=demand, relay_capacity=(rc[0], rc[1]) if rc else None,
+        jitter_fraction=sc.nodes.jitter_fraction,
+    )
+    cfg = ModelConfig(family=m.family, preset=m.preset, seq_len=m.seq_len, microbatch_size=m.microbatch_size,
+                      stages=m.stages)
+    spec = model_spec(cfg, m.vocab_size)
+    S = m.stages
+    train = TrainParams(
+        stages=S, microbatches=demand, iterations=sc.train.iterations,
+        activation_bytes=spec.activation_bytes(m.microbatch_size),
+        stage_flops=tuple(spec.stage_flops_per_microbatch(k, S, m.microbatch_size) for k in range(S)),
+        stage_state_bytes=tuple(spec.stage_state_bytes(k, S) for k in range(S)),
+        stage_grad_bytes=tuple(spec.stage_state_bytes(k, S) // 3 for k in range(S)),
+        tokens_per_microbatch=m.microbatch_size * m.seq_len,
+    )
+    return inst, train

@@ -1,0 +1,316 @@
+"""The simulated driver: one NodeCore per node on the discrete-event Engine.
+
+Owns: `Simulator` (turns effects into engine events through the network and compute models;
+crashes, leaves, joins, link windows and scripted faults; feeds Records to the invariant
+checker and the metrics), `SYSTEMS` (named policies: "gwtf"; baselines register theirs with
+`register_system`), and `run_scenario` (one seeded run -> summary dict + timeline rows).
+
+A crash is silent and may happen at any moment: the core is deleted, messages still on its
+uplink are lost, deliveries to it fail (the sender's `on_send_failed` after
+`sim.send_fail_delay_s`), its timers and compute completions are dropped. A graceful leave calls
+`on_leave` first and lets the node's uplink drain.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gwtf.errors import UserError
+from gwtf.flow.instance import Instance
+from gwtf.protocol.base import CancelTimer, Message, Send, SetTimer
+from gwtf.protocol.core import NodeCore, make_router
+from gwtf.protocol.ledger import Policy, TrainParams
+from gwtf.protocol.messages import Compute, Record
+from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
+from gwtf.sim.churn import ChurnEvent, join_times, link_windows, node_lifetime_event, read_trace
+from gwtf.sim.engine import Engine
+from gwtf.sim.invariants import InvariantChecker
+from gwtf.sim.metrics import Metrics
+from gwtf.sim.models import ComputeModel, LinkWindow, NetworkModel
+from gwtf.sim.scenario import Fault, ScenarioConfig, build
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    """What differs between compared systems: the churn policy and the router."""
+
+    policy: Policy
+    router: Callable[[PeerInfo, TrainParams, ScenarioConfig], Router]
+
+
+def _gwtf(sc: ScenarioConfig) -> System:
+    return System(Policy(), lambda me, train, s: make_router(s.protocol.router, me, train))
+
+
+SYSTEMS: dict[str, Callable[[ScenarioConfig], System]] = {"gwtf": _gwtf}
+
+
+def register_system(name: str, factory: Callable[[ScenarioConfig], System]) -> None:
+    SYSTEMS[name] = factory
+
+
+def get_system(name: str, sc: ScenarioConfig) -> System:
+    if name not in SYSTEMS:
+        raise UserError(f"unknown system {name!r}; available: {', '.join(sorted(SYSTEMS))}")
+    return SYSTEMS[name](sc)
+
+
+class Simulator:
+    """Runs one scenario for one system and seed (see the module docstring)."""
+
+    def __init__(self, sc: ScenarioConfig, seed: int, system: System,
+                 built: tuple[Instance, TrainParams] | None = None) -> None:
+        self.sc, self.seed, self.system = sc, seed, system
+        self.inst, self.train = built if built is not None else build(sc, seed)
+        self.engine = Engine()
+        self.rng = random.Random(f"sim:{seed}")
+        self.net = NetworkModel(self.inst.network, sc.sim.control_bytes)
+        self.compute = ComputeModel(random.Random(f"compute:{seed}"), sc.sim.compute_jitter,
+                                    sc.sim.checkpoint_bandwidth_bytes_per_s)
+        self.checker = InvariantChecker(self.train.stages, sc.sim.progress_bound_s)
+        self.metrics = Metrics(self.train.tokens_per_microbatch)
+        self.cores: dict[str, NodeCore] = {}
+        self.dead_at: dict[str, float] = {}
+        self.timers: dict[tuple[str, Any], int] = {}
+        self._token = 0
+        self._joins = 0
+        self.finished = False
+        self.stage_lost = False
+        self.triggers: list[tuple[Fault, list[int]]] = []
+        self.events_out = 0
+        self.pending_steps = 0
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def _prior(self, me: PeerInfo, peer: PeerInfo) -> LinkEstimate:
+        net = self.inst.network
+        return LinkEstimate(net.latency_s(me.region, peer.region), net.bandwidth_bytes_per_s(me.region, peer.region))
+
+    def start(self) -> None:
+        infos = [PeerInfo(id=n.id, stage=n.stage, region=n.region, compute_s=n.compute_s,
+                          capacity=n.capacity, demand=n.demand) for n in self.inst.nodes]
+        for info in infos:
+            flops = self.train.stage_flops[info.stage]
+            self._add_core(info, flops / info.compute_s)
+        for info in infos:
+            self._apply(info.id, self.cores[info.id].on_start(0.0, infos))
+        horizon = self.sc.sim.max_time_s
+        if self.sc.churn.trace:
+            for ev in read_trace(self.sc.churn.trace):
+                self.engine.schedule(ev.time_s, self._churn, ev)
+        else:
+            for t in join_times(self.sc.churn, self.rng, horizon):
+                self.engine.schedule(t, self._churn, ChurnEvent(t, "join"))
+            for info in infos:
+                self._draw_lifetime(info.id, 0.0)
+        for w in link_windows(self.sc.links, [i.id for i in infos], self.rng, horizon):
+            self.net.add_window(w)
+        for f in self.sc.faults:
+            if f.after_event:
+                self.triggers.append((f, [0]))
+            else:
+                self.engine.schedule(f.time_s, self._fault, f, f.node)
+
+    def _add_core(self, info: PeerInfo, speed: float) -> None:
+        router = self.system.router(info, self.train, self.sc)
+        core = NodeCore(info, self.sc.protocol, self.train, random.Random(f"{self.seed}:{info.id}"),
+                        router, self.system.policy, self._prior)
+        self.cores[info.id] = core
+        self.net.add_node(info.id, info.region)
+        self.compute.add_node(info.id, speed)
+        self.metrics.node_up(info.id, self.engine.now)
+
+    def _draw_lifetime(self, node: str, now: float) -> None:
+        if self.sc.churn.spare_leader and node == self.inst.by_stage[0][0]:
+            return
+        ev = node_lifetime_event(self.sc.churn, self.rng, now)
+        if ev is not None:
+            self.engine.schedule(ev.time_s, self._churn, ChurnEvent(ev.time_s, ev.event, node))
+
+    # ---- effects -----------------------------------------------------------------------
+
+    def _apply(self, node: str, effects: list[Any]) -> None:
+        now = self.engine.now
+        for e in effects:
+            t = type(e)
+            if t is Send:
+                self._send(node, e.to, e.msg, now)
+            elif t is SetTimer:
+                self._token += 1
+                self.timers[(node, e.key)] = self._token
+                self.engine.schedule(e.at, self._fire, node, e.key, self._token)
+            elif t is CancelTimer:
+                self.timers.pop((node, e.key), None)
+            elif t is Compute:
+                if e.kind == "step":
+                    self.pending_steps += 1
+                size = e.size_bytes if e.kind == "load_checkpoint" else 0
+                start, end = self.compute.schedule(node, e.flops, size, now)
+                self.engine.schedule(end, self._compute_done, node, e, end - start)
+            elif t is Record:
+                self._record(node, e, now)
+            # Log and FreeIteration: nothing to do (no tensors in the simulator)
+        core = self.cores.get(node)
+        if core is not None and not core.alive:
+            self._remove(node, now, crashed=False)
+
+    def _send(self, src: str, dst: str, msg: Message, now: float) -> None:
+        self.events_out += 1
+        if dst not in self.net.region:
+            self.engine.schedule(now + self.sc.sim.send_fail_delay_s, self._failed, src, dst, msg)
+            return
+        r = self.net.send(src, dst, msg.tensor_bytes, now)
+        if r is None:
+            self.engine.schedule(now + self.sc.sim.send_fail_delay_s, self._failed, src, dst, msg)
+            return
+        self.engine.schedule(r[1], self._deliver, src, dst, msg, r[0])
+
+    def _deliver(self, src: str, dst: str, msg: Message, left_s: float) -> None:
+        died = self.dead_at.get(src)
+        if died is not None and died < left_s:
+            return  # the sender crashed while the bytes were still on its uplink
+        core = self.cores.get(dst)
+        if core is None:
+            self.engine.after(self.sc.sim.send_fail_delay_s, self._failed, src, dst, msg)
+            return
+        self._apply(dst, core.on_message(src, msg, self.engine.now))
+
+    def _failed(self, src: str, dst: str, msg: Message) -> None:
+        core = self.cores.get(src)
+        if core is not None:
+            self._apply(src, core.on_send_failed(dst, msg, self.engine.now))
+
+    def _fire(self, node: str, key: Any, token: int) -> None:
+        if self.timers.get((node, key)) != token:
+            return
+        del self.timers[(node, key)]
+        core = self.cores.get(node)
+        if core is not None:
+            self._apply(node, core.on_timer(key, self.engine.now))
+
+    def _compute_done(self, node: str, job: Compute, dur_s: float) -> None:
+        core = self.cores.get(node)
+        if core is None:
+            return
+        self.metrics.on_job(node, job.kind, job.mb, dur_s)
+        if job.kind == "step":
+            self.pending_steps -= 1
+        self._apply(node, core.on_compute_done(job.job_id, self.engine.now))
+
+    def _record(self, node: str, rec: Record, now: float) -> None:
+        f = dict(rec.fields)
+        self.checker.on_record(now, node, rec.event, f)
+        self.metrics.on_record(now, node, rec.event, f)
+        if rec.event == "training_done":
+            self.finished = True
+        elif rec.event == "stage_lost":
+            self.stage_lost = True
+        elif rec.event == "rollback":
+            self.stage_lost = False
+        for fault, seen in self.triggers:
+            if fault.after_event == rec.event and (not fault.node or fault.node == node):
+                seen[0] += 1
+                if seen[0] == fault.count:
+                    self.engine.schedule(now, self._fault, fault, fault.node or node)
+
+    # ---- churn -------------------------------------------------------------------------
+
+    def _remove(self, node: str, now: float, crashed: bool) -> None:
+        if node not in self.cores:
+            return
+        self.pending_steps -= sum(1 for j in self.cores[node].jobs.values() if j[0] == "step")
+        del self.cores[node]
+        self.dead_at[node] = now if crashed else max(now, self.net.uplink_free_s.get(node, now))
+        self.checker.on_dead(node, now)
+        self.metrics.node_down(node, now)
+        if crashed:
+            self.metrics.crash_times.append(now)
+
+    def crash(self, node: str) -> None:
+        if node in self.cores:
+            self.metrics.bump("crashes_injected")
+            self._remove(node, self.engine.now, crashed=True)
+
+    def leave(self, node: str) -> None:
+        core = self.cores.get(node)
+        if core is not None:
+            self.metrics.bump("leaves")
+            self._apply(node, core.on_leave(self.engine.now))
+            self._remove(node, self.engine.now, crashed=False)
+
+    def join(self) -> None:
+        now = self.engine.now
+        relays = [n for n in self.inst.nodes if n.stage > 0]
+        tmpl = self.rng.choice(relays)
+        speed = self.train.stage_flops[tmpl.stage] / tmpl.compute_s
+        self._joins += 1
+        info = PeerInfo(id=f"j{self._joins}", stage=-1, region=tmpl.region,
+                        compute_s=self.train.stage_flops[1] / speed, capacity=tmpl.capacity)
+        live = sorted(self.cores)
+        if not live:
+            return
+        contact = self.rng.choice(live)
+        self.metrics.bump("joins_started")
+        self._add_core(info, speed)
+        self._apply(info.id, self.cores[info.id].on_start(now, [self.cores[contact].me]))
+        self._draw_lifetime(info.id, now)
+
+    def _churn(self, ev: ChurnEvent) -> None:
+        if ev.event == "crash":
+            self.crash(ev.node)
+        elif ev.event == "leave":
+            self.leave(ev.node)
+        else:
+            self.join()
+
+    def _fault(self, f: Fault, node: str) -> None:
+        now = self.engine.now
+        if f.event == "crash":
+            self.crash(node)
+        elif f.event == "leave":
+            self.leave(node)
+        elif f.event == "join":
+            self.join()
+        elif f.event == "crash_stage":
+            for nid in sorted(n for n, c in self.cores.items() if c.me.stage == f.stage):
+                self.crash(nid)
+        elif f.peer:
+            cut = f.event == "cut"
+            self.net.add_window(LinkWindow(node, f.peer, now, now + f.duration_s,
+                                           1.0 if cut else self.sc.links.latency_factor,
+                                           1.0 if cut else self.sc.links.bandwidth_divisor, cut))
+
+    # ---- run ---------------------------------------------------------------------------
+
+    def _done(self) -> bool:
+        """Training finished and every live replica has applied the last step."""
+        if not self.finished:
+            return False
+        target = self.train.iterations
+        return self.pending_steps == 0 and all(c.version >= target for c in self.cores.values() if c.active)
+
+    def run(self) -> dict[str, Any]:
+        self.start()
+        self.engine.run(until_s=self.sc.sim.max_time_s, stop=self._done)
+        now = self.engine.now
+        versions = {n: c.version for n, c in sorted(self.cores.items()) if c.active}
+        self.checker.finish(now, self.finished, self.stage_lost, versions)
+        out = self.metrics.summary(now, self.train.iterations)
+        out["microbatches_dropped"] = self.metrics.counters.get("microbatches_dropped", 0)
+        out["invariant_violations"] = self.checker.count
+        out["violations"] = self.checker.violations[:10]
+        out["events"] = self.engine.events_run
+        out["nodes_end"] = len(self.cores)
+        return out
+
+
+def run_scenario(sc: ScenarioConfig, seed: int, system: str = "gwtf") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One seeded run: (summary, timeline rows)."""
+    sim = Simulator(sc, seed, get_system(system, sc))
+    summary = sim.run()
+    return summary, sim.metrics.timeline_rows()
