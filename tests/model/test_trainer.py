@@ -147,3 +147,10 @@ def test_resume_with_a_different_model_is_refused(tmp_path: Path) -> None:
     other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=1e-2))
     with pytest.raises(UserError, match="cannot resume: .*train.lr"):
         train_local(other, tmp_path / "run", resume=True, say=lambda _: None)
+
+
+def test_tiny_local_config_documents_the_defaults() -> None:
+    """configs/tiny-local.toml must stay equal to the embedded defaults it documents."""
+    path = Path(__file__).resolve().parents[2] / "configs" / "tiny-local.toml"
+    cfg, defaults = load_config(path), Config()
+    assert (cfg.model, cfg.data, cfg.train) == (defaults.model, defaults.data, defaults.train)
