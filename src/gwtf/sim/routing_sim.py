@@ -124,9 +124,9 @@ class RoutingSim:
         for v in victims:
             self.dead.add(v)
         for v in victims:
-            for n in self._neighbours(v):
-                delay = self.detection_delay_s + self.instance.latency_s(n, v)
-                self.engine.after(delay, self._peer_down, n, v)
+            for peer in self._neighbours(v):
+                delay = self.detection_delay_s + self.instance.latency_s(peer, v)
+                self.engine.after(delay, self._peer_down, peer, v)
         return victims
 
     def surviving_instance(self) -> Instance:

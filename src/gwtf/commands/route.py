@@ -1,0 +1,137 @@
+"""`gwtf route`: build a routing instance and compare gwtf's decentralized flow with the rest.
+
+Owns: the command's flags and report. It generates a seeded instance (`flow.generate`), solves
+the central optimum (`flow.optimum`), runs the decentralized protocol in the routing-only
+simulator (`sim.routing_sim`), the SWARM, greedy and random baselines (`flow.baselines`), and
+optionally crashes a fraction of the relays after convergence and measures re-convergence.
+Prints a table, or with --json one JSON object keyed by method. Protocol knobs are config
+fields (`--set flow.tick_s=2`), not flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+from gwtf.cli import add_config_arguments
+from gwtf.config import Config, load_config
+from gwtf.errors import UserError
+from gwtf.flow.baselines import greedy_routes, random_routes, swarm_routes
+from gwtf.flow.generate import generate_instance
+from gwtf.flow.instance import Instance, Route, evaluate_routes
+from gwtf.flow.optimum import optimum
+from gwtf.sim.routing_sim import RoutingSim
+
+__all__ = ["add_arguments", "run", "compare"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=24, help="N: nodes in total (data holders + relays)")
+    parser.add_argument("--stages", type=int, default=4, help="S: stages incl. stage 0 (data holders)")
+    parser.add_argument("--data-holders", type=int, default=4, help="D: data holders (stage 0)")
+    parser.add_argument("--network", default="geo10", help="region table: geo10 or geo12")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--crash-fraction", type=float, default=0.0,
+                        help="after convergence, crash this fraction of the relays and re-converge")
+    parser.add_argument("--time-limit-s", type=float, default=600.0,
+                        help="virtual seconds the protocol may run (each phase)")
+    add_config_arguments(parser)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.stages < 2:
+        raise UserError(f"--stages must be >= 2 (stage 0 plus a relay stage), got {args.stages}")
+    if args.data_holders < 1:
+        raise UserError(f"--data-holders must be >= 1, got {args.data_holders}")
+    if args.nodes < args.data_holders + args.stages - 1:
+        raise UserError(f"--nodes {args.nodes} is too few for {args.stages} stages and "
+                        f"{args.data_holders} data holders (need >= {args.data_holders + args.stages - 1})")
+    if not 0.0 <= args.crash_fraction < 1.0:
+        raise UserError(f"--crash-fraction must be in [0, 1), got {args.crash_fraction}")
+    if args.time_limit_s <= 0:
+        raise UserError(f"--time-limit-s must be > 0, got {args.time_limit_s}")
+
+
+def _scores(instance: Instance, routes: list[Route] | tuple[Route, ...]) -> dict[str, Any]:
+    st = evaluate_routes(instance, routes)
+    return {"flow": st.flow, "max_route_cost_s": st.max_route_cost_s, "sum_route_cost_s": st.sum_route_cost_s}
+
+
+def compare(instance: Instance, cfg: Config, seed: int, crash_fraction: float = 0.0,
+            time_limit_s: float = 600.0) -> dict[str, dict[str, Any]]:
+    """Every method on one instance: {"optimal", "gwtf", "swarm", "greedy", "random"[, "gwtf_after_crash"]}."""
+    t0 = time.perf_counter()
+    opt = optimum(instance)
+    out: dict[str, dict[str, Any]] = {"optimal": {
+        **_scores(instance, opt.routes), "lower_bound_max_route_cost_s": opt.lower_bound_max_route_cost_s,
+        "method": opt.method, "wall_s": time.perf_counter() - t0,
+    }}
+    t0 = time.perf_counter()
+    sim = RoutingSim(instance, cfg.flow, seed=seed)
+    res = sim.run(time_limit_s)
+    out["gwtf"] = {
+        **_scores(instance, res.routes), "converged": res.converged, "converged_at_s": res.converged_at_s,
+        "messages": res.messages, "messages_per_node": res.messages / len(instance.nodes),
+        "wall_s": time.perf_counter() - t0,
+    }
+    out["swarm"] = _scores(instance, swarm_routes(instance, random.Random(seed)))
+    out["greedy"] = _scores(instance, greedy_routes(instance))
+    out["random"] = _scores(instance, random_routes(instance, random.Random(seed)))
+    if crash_fraction > 0:
+        out["gwtf_after_crash"] = _after_crash(sim, crash_fraction, seed, time_limit_s)
+    return out
+
+
+def _after_crash(sim: RoutingSim, fraction: float, seed: int, time_limit_s: float) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    victims = sim.crash(fraction, random.Random(seed + 1))
+    survivors = sim.surviving_instance()
+    opt = optimum(survivors)
+    res = sim.run(time_limit_s, target_flow=opt.stats.flow)
+    return {
+        **_scores(survivors, res.routes), "crashed": len(victims), "converged": res.converged,
+        "reconverged_at_s": res.converged_at_s, "flow_restored_at_s": res.flow_reached_at_s,
+        "messages": res.messages, "optimal_flow": opt.stats.flow,
+        "optimal_max_route_cost_s": opt.stats.max_route_cost_s, "wall_s": time.perf_counter() - t0,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    cfg: Config = load_config(args.config, args.overrides)
+    instance = generate_instance(args.nodes, args.stages, args.data_holders, network=args.network, seed=args.seed)
+    result = compare(instance, cfg, args.seed, args.crash_fraction, args.time_limit_s)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        _print_table(result, args)
+    return 0
+
+
+def _print_table(result: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    opt = result["optimal"]
+    table = Table(title=f"gwtf route: N={args.nodes} S={args.stages} D={args.data_holders} "
+                        f"{args.network} seed={args.seed}")
+    for col in ("method", "flow", "max route s", "max / optimal", "sum route s", "notes"):
+        table.add_column(col, justify="left" if col in ("method", "notes") else "right")
+    for name, r in result.items():
+        ref = r.get("optimal_max_route_cost_s", opt["max_route_cost_s"])
+        ratio = r["max_route_cost_s"] / ref if ref else float("nan")
+        notes = ""
+        if name == "optimal":
+            notes = f"{r['method']}, lower bound {r['lower_bound_max_route_cost_s']:.3f} s"
+        elif name == "gwtf":
+            notes = f"converged at {r['converged_at_s']:.0f} virtual s, {r['messages']} messages"
+        elif name == "gwtf_after_crash":
+            notes = (f"{r['crashed']} relays crashed; re-converged in {r['reconverged_at_s']:.0f} s; "
+                     f"optimum flow {r['optimal_flow']}")
+        table.add_row(name, str(r["flow"]), f"{r['max_route_cost_s']:.3f}", f"{ratio:.3f}",
+                      f"{r['sum_route_cost_s']:.2f}", notes)
+    Console().print(table)

@@ -1,0 +1,92 @@
+"""The routing-only simulation (sim/routing_sim.py) on small generated instances, against the
+central optimum, plus the `gwtf route` command's user errors and JSON shape."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from gwtf.cli import main
+from gwtf.flow.generate import generate_instance
+from gwtf.flow.instance import evaluate_routes
+from gwtf.flow.optimum import optimum
+from gwtf.sim.routing_sim import RoutingSim
+
+
+def _no_leaks(sim: RoutingSim) -> None:
+    """Every live relay holds exactly the flows of the complete routes through it."""
+    through = Counter(n for r in sim.routes() for n in r[1:])
+    for nid, agent in sim.agents.items():
+        if nid in sim.dead or agent.is_dh:
+            continue
+        assert len(agent.flows) == through[nid], f"{nid}: {len(agent.flows)} entries, {through[nid]} routes"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flow_equals_optimum_and_routes_are_valid(seed: int) -> None:
+    inst = generate_instance(24, 4, 4, seed=seed)
+    opt = optimum(inst)
+    sim = RoutingSim(inst, seed=seed)
+    out = sim.run(time_limit_s=600.0)
+    stats = evaluate_routes(inst, out.routes)  # raises on an illegal route or a capacity breach
+    sim.check_invariants()
+    assert out.converged
+    assert stats.flow == opt.stats.flow
+    assert stats.max_route_cost_s <= 1.15 * opt.stats.max_route_cost_s
+    _no_leaks(sim)
+
+
+def test_same_seed_same_outcome() -> None:
+    inst = generate_instance(30, 5, 4, seed=4)
+    a = RoutingSim(inst, seed=4).run(300.0)
+    b = RoutingSim(inst, seed=4).run(300.0)
+    assert a == b
+
+
+def test_crash_then_reconverge_to_the_survivors_optimum_flow() -> None:
+    inst = generate_instance(40, 5, 4, seed=1)
+    sim = RoutingSim(inst, seed=1)
+    sim.run(600.0)
+    victims = sim.crash(0.2, random.Random(9))
+    assert victims and all(inst.by_id[v].stage > 0 for v in victims)
+    survivors = sim.surviving_instance()
+    opt = optimum(survivors)
+    out = sim.run(600.0, target_flow=opt.stats.flow)
+    stats = evaluate_routes(survivors, out.routes)
+    assert not {n for r in out.routes for n in r} & set(victims)
+    assert stats.flow == opt.stats.flow
+    assert out.flow_reached_at_s is not None and out.flow_reached_at_s < 60.0
+    sim.check_invariants()
+    _no_leaks(sim)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--stages", "1"], "--stages"),
+        (["--data-holders", "0"], "--data-holders"),
+        (["--nodes", "4", "--stages", "6"], "--nodes"),
+        (["--network", "mars"], "mars"),
+        (["--crash-fraction", "1.5"], "--crash-fraction"),
+    ],
+)
+def test_route_user_errors_exit_2_with_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["route", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_route_json_has_every_method(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["route", "--nodes", "16", "--stages", "3", "--data-holders", "2", "--json",
+                 "--crash-fraction", "0.2", "--seed", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"optimal", "gwtf", "swarm", "greedy", "random", "gwtf_after_crash"}
+    for entry in result.values():
+        assert {"flow", "max_route_cost_s", "sum_route_cost_s"} <= set(entry)
+    assert result["gwtf"]["flow"] == result["optimal"]["flow"]
+    assert {"converged_at_s", "messages"} <= set(result["gwtf"])
+    assert "lower_bound_max_route_cost_s" in result["optimal"]
+    assert {"reconverged_at_s", "optimal_flow"} <= set(result["gwtf_after_crash"])

@@ -1,0 +1,248 @@
+"""FlowAgent (protocol/flow.py) in a tiny in-memory harness: a few agents, one inbox queue per
+node, a manual clock. Covers phase A reservation, capacity limits, crash repair, rerouting in
+`next_hop`, link re-pricing, the wire rules of the flow messages, and determinism."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import deque
+from typing import Any
+
+import pytest
+
+from gwtf.config import FlowConfig
+from gwtf.flow.instance import Instance, NodeSpec, Route, evaluate_routes
+from gwtf.flow.network import Network
+from gwtf.protocol.base import MESSAGE_TYPES, NodeId, Send, SetTimer
+from gwtf.protocol.flow import FlowAgent
+from gwtf.protocol.router import LinkEstimate, PeerInfo
+
+DELAY_S = 0.05
+STEP_S = 0.05
+
+NET = Network(
+    name="two", regions=("a", "b"),
+    latency_matrix_s=((0.01, 0.08), (0.08, 0.01)),
+    bandwidth_matrix_bytes_per_s=((2.5e8, 5e7), (5e7, 2.5e8)),
+)
+
+
+def tiny_instance(demand: int = 2, relay_capacity: int = 1, stages: int = 3) -> Instance:
+    """One data holder (region a) and two relays per relay stage: r<k>a (cheap) and r<k>b."""
+    nodes = [NodeSpec("dh", 0, "a", "x", 0.01, 8, demand)]
+    for k in range(1, stages):
+        nodes.append(NodeSpec(f"r{k}a", k, "a", "x", 0.05, relay_capacity))
+        nodes.append(NodeSpec(f"r{k}b", k, "b", "x", 0.08, relay_capacity))
+    return Instance(nodes=tuple(nodes), stages=stages, network=NET, activation_bytes=1_000_000)
+
+
+class Harness:
+    """Delivers every message DELAY_S after it was sent; the clock advances in STEP_S steps."""
+
+    def __init__(self, inst: Instance, seed: int = 0, cfg: FlowConfig | None = None) -> None:
+        self.inst = inst
+        self.now = 0.0
+        self.cfg = cfg or FlowConfig()
+        self.agents = {
+            n.id: FlowAgent(_info(n), inst.stages, inst.activation_bytes, self.cfg, random.Random(f"{seed}/{n.id}"))
+            for n in inst.nodes
+        }
+        self.inbox: dict[NodeId, deque[tuple[float, NodeId, Any]]] = {nid: deque() for nid in self.agents}
+        self.timers: dict[tuple[NodeId, Any], float] = {}
+        self.dead: set[NodeId] = set()
+        self.sent = 0
+        for n in inst.nodes:
+            for m in inst.nodes:
+                if m.id != n.id and _adjacent(inst, n, m):
+                    self.apply(n.id, self.agents[n.id].on_peer_up(_info(m), _link(inst, n.id, m.id), 0.0))
+        for nid, agent in self.agents.items():
+            self.apply(nid, agent.on_start(0.0))
+
+    def apply(self, nid: NodeId, effects: list[Any]) -> None:
+        for eff in effects:
+            if isinstance(eff, Send):
+                self.sent += 1
+                self.inbox[eff.to].append((self.now + DELAY_S, nid, eff.msg))
+            elif isinstance(eff, SetTimer):
+                self.timers[(nid, eff.key)] = eff.at
+
+    def step(self) -> None:
+        self.now += STEP_S
+        for nid, queue in self.inbox.items():
+            while queue and queue[0][0] <= self.now + 1e-12:
+                _, src, msg = queue.popleft()
+                if nid not in self.dead:
+                    self.apply(nid, self.agents[nid].on_message(src, msg, self.now))
+        for (nid, key), at in sorted(self.timers.items(), key=lambda kv: (kv[1], kv[0][0], str(kv[0][1]))):
+            if at <= self.now and self.timers.get((nid, key)) == at:
+                del self.timers[(nid, key)]
+                if nid not in self.dead:
+                    self.apply(nid, self.agents[nid].on_timer(key, self.now))
+        self.assert_capacities()
+
+    def run(self, seconds: float) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            self.step()
+
+    def crash(self, victim: NodeId) -> None:
+        """Silent crash; every neighbour is told at once (the detection delay is not under test)."""
+        self.dead.add(victim)
+        for nid, agent in self.agents.items():
+            if nid not in self.dead:
+                self.apply(nid, agent.on_peer_down(victim, self.now))
+
+    def assert_capacities(self) -> None:
+        for nid, a in self.agents.items():
+            assert a.load <= a.me.capacity, f"{nid} over capacity"
+            if a.is_dh:
+                assert len(a.flows) <= min(a.me.demand, a.me.capacity)
+
+    def routes(self) -> list[Route]:
+        out: list[Route] = []
+        dh = self.agents["dh"]
+        for key, e in dh.flows.items():
+            if e.pending or e.next is None:
+                continue
+            route, prev, node = ["dh"], "dh", e.next
+            while node != "dh":
+                f = self.agents[node].flows.get(key)
+                assert f is not None and f.prev == prev and not f.pending, f"broken flow {key} at {node}"
+                route.append(node)
+                prev, node = node, f.next
+            out.append(tuple(route))
+        return sorted(out)
+
+
+def _info(n: NodeSpec) -> PeerInfo:
+    return PeerInfo(n.id, n.stage, n.region, n.compute_s, n.capacity, n.demand)
+
+
+def _adjacent(inst: Instance, a: NodeSpec, b: NodeSpec) -> bool:
+    return (b.stage - a.stage) % inst.stages in (0, 1, inst.stages - 1)
+
+
+def _link(inst: Instance, a: NodeId, b: NodeId) -> LinkEstimate:
+    return LinkEstimate(inst.latency_s(a, b), inst.bandwidth_bytes_per_s(a, b))
+
+
+def _relay_flow_counts(h: Harness) -> dict[NodeId, int]:
+    return {nid: len(a.flows) for nid, a in h.agents.items() if not a.is_dh and nid not in h.dead}
+
+
+def test_flows_are_established_end_to_end() -> None:
+    inst = tiny_instance(demand=2, relay_capacity=1)
+    h = Harness(inst)
+    h.run(15.0)
+    routes = h.routes()
+    assert evaluate_routes(inst, routes).flow == 2
+    assert len(h.agents["dh"].flow_slots(h.now)) == 2
+    # every relay holds exactly the flows that pass through it: nothing reserved and forgotten
+    through = {nid: sum(nid in r for r in routes) for nid in _relay_flow_counts(h)}
+    assert through == _relay_flow_counts(h)
+
+
+def test_demand_above_capacity_is_capped_and_cheapest_route_is_taken() -> None:
+    inst = tiny_instance(demand=5, relay_capacity=1)
+    h = Harness(inst)
+    h.run(15.0)
+    assert len(h.routes()) == 2  # two relays of capacity 1 per stage
+    inst1 = tiny_instance(demand=1, relay_capacity=1)
+    h1 = Harness(inst1)
+    h1.run(15.0)
+    assert h1.routes() == [("dh", "r1a", "r2a")]  # region a is cheaper everywhere
+
+
+def test_crash_of_a_relay_rebuilds_its_flow_through_the_survivor() -> None:
+    inst = tiny_instance(demand=1, relay_capacity=2)
+    h = Harness(inst)
+    h.run(15.0)
+    assert h.routes() == [("dh", "r1a", "r2a")]
+    h.crash("r1a")
+    h.run(10.0)
+    assert h.routes() == [("dh", "r1b", "r2a")]
+    assert _relay_flow_counts(h) == {"r1b": 1, "r2a": 1, "r2b": 0}
+
+
+def test_crash_of_a_last_stage_relay_repairs_downstream_part_only() -> None:
+    inst = tiny_instance(demand=2, relay_capacity=2, stages=4)
+    h = Harness(inst)
+    h.run(20.0)
+    assert len(h.routes()) == 2
+    h.crash("r3a")
+    h.run(10.0)
+    routes = h.routes()
+    assert len(routes) == 2 and all(r[3] == "r3b" for r in routes)
+    assert sum(_relay_flow_counts(h).values()) == 2 * 3
+
+
+def test_next_hop_follows_the_flow_and_reroutes_around_excluded_peers() -> None:
+    inst = tiny_instance(demand=1, relay_capacity=1)
+    h = Harness(inst)
+    h.run(15.0)
+    dh = h.agents["dh"]
+    (slot,) = dh.flow_slots(h.now)
+    assert dh.next_hop(slot.flow_id, "dh", "dh", (), h.now) == (slot.next, slot.flow_id)
+    other = "r1b" if slot.next == "r1a" else "r1a"
+    assert dh.next_hop(slot.flow_id, "dh", "dh", [slot.next], h.now) == (other, slot.flow_id)
+    assert dh.next_hop(slot.flow_id, "dh", "dh", ["r1a", "r1b"], h.now) is None
+    r1 = h.agents[slot.next]
+    hop = r1.next_hop(slot.flow_id, "dh", "dh", (), h.now)
+    assert hop is not None and hop[0] in ("r2a", "r2b")
+    assert r1.next_hop(slot.flow_id, "dh", "dh", [hop[0]], h.now) == (
+        "r2b" if hop[0] == "r2a" else "r2a", slot.flow_id)
+    # an unknown flow still gets the best live next-stage peer
+    assert r1.next_hop(12345, "dh", "dh", (), h.now) == ("r2a", 12345)
+    # the last stage always returns to the origin
+    assert h.agents["r2a"].next_hop(slot.flow_id, "r1a", "dh", (), h.now) == ("dh", slot.flow_id)
+
+
+def test_link_update_reprices_routes_up_to_the_data_holder() -> None:
+    inst = tiny_instance(demand=1, relay_capacity=1)
+    h = Harness(inst)
+    h.run(15.0)
+    dh = h.agents["dh"]
+    (entry,) = dh.flows.values()
+    before = entry.down_s
+    assert before == pytest.approx(inst.route_cost_s(h.routes()[0]))
+    r1 = h.agents["r1a"]
+    slow = LinkEstimate(latency_s=1.0, bandwidth_bytes_per_s=inst.bandwidth_bytes_per_s("r1a", "r2a"))
+    h.apply("r1a", r1.on_link_update("r2a", slow, h.now))
+    h.run(1.0)
+    assert dh.flows[entry.key].down_s == pytest.approx(before + 1.0 - 0.01)
+
+
+def test_same_seed_same_routes_and_messages() -> None:
+    runs = []
+    for _ in range(2):
+        h = Harness(tiny_instance(demand=3, relay_capacity=2, stages=4), seed=7)
+        h.run(20.0)
+        runs.append((h.routes(), h.sent, sorted(h.agents["dh"].flows)))
+    assert runs[0] == runs[1]
+
+
+def test_flow_messages_follow_the_wire_rules() -> None:
+    flow_types = {name: cls for name, cls in MESSAGE_TYPES.items() if name.startswith("flow.")}
+    assert len(flow_types) >= 12
+    for name, cls in flow_types.items():
+        for f in dataclasses.fields(cls):
+            assert f.type in ("int", "float", "str", "bool") or f.type.startswith("tuple["), (name, f.name)
+
+
+def test_agent_rejects_a_stage_outside_the_pipeline() -> None:
+    with pytest.raises(ValueError):
+        FlowAgent(PeerInfo("x", 5, "a", 0.1, 1), 3, 1000, FlowConfig(), random.Random(0))
+
+
+def test_crash_mid_route_releases_the_orphaned_downstream_part() -> None:
+    inst = tiny_instance(demand=1, relay_capacity=1, stages=5)
+    h = Harness(inst)
+    h.run(20.0)
+    assert h.routes() == [("dh", "r1a", "r2a", "r3a", "r4a")]
+    h.crash("r2a")
+    h.run(5.0)  # well before the periodic consistency checks could clean anything up
+    routes = h.routes()
+    assert len(routes) == 1 and routes[0][2] == "r2b"
+    through = {nid: sum(nid in r for r in routes) for nid in _relay_flow_counts(h)}
+    assert through == _relay_flow_counts(h)
