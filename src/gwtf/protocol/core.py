@@ -43,6 +43,7 @@ HANDLERS: dict[str, str] = {
     "mem.down": "on_member_down", "mem.evicted": "on_evicted", "mem.leave": "on_leave_notice",
     "mem.join": "on_join_request", "mem.welcome": "on_welcome", "mem.sget": "on_state_request",
     "mem.state": "on_state_transfer", "mem.ready": "on_ready", "mem.refetch": "on_refetch",
+    "mem.suspect": "on_suspect_notice", "mem.probe": "on_probe", "mem.vote": "on_leader_vote",
     "agg.start": "on_iter_start", "agg.collect": "on_collect", "agg.report": "on_report",
     "agg.reset": "on_reset", "agg.commit": "on_commit", "agg.grad": "on_grad_share",
     "agg.have": "on_have", "agg.step": "on_step", "agg.rollback": "on_rollback",
@@ -158,6 +159,8 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         if kind == "hb":
             out = self.on_heartbeat_timer(now)
             return out + (self.leader_tick(now) if self.is_leader else [])
+        if kind == "probe":
+            return self.on_probe_timer(key[1], key[2], now)
         if kind == "ackf":
             ref = key[1]
             rec = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
@@ -165,6 +168,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         handlers: dict[str, Callable[[Any, float], list[Effect]]] = {
             "ackb": self.bwd_failed, "redo": self.redo_failed, "gget": self.chain_failed,
             "retry": self.on_retry, "mb": self.on_mb_deadline, "resend": self._resend_control,
+            "unsuspect": self.on_unsuspect_timer,
         }
         handler = handlers.get(kind)
         return handler(key[1], now) if handler is not None else [log("warning", "unknown_timer", key=key)]
@@ -181,6 +185,9 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         if isinstance(msg, m.GradRequest):
             ref = msg.legs[-1] if self.me.stage != 0 else msg.mb
             return self.chain_failed(ref, now)
+        if isinstance(msg, m.LeaderVote):
+            self.vote_failed_to(to)
+            return []
         if isinstance(msg, RELIABLE):
             return self._schedule_resend(to, msg, now)
         return []

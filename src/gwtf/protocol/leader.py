@@ -57,8 +57,7 @@ class LeaderMixin(CoreState):
         self.L_pending: dict[Contrib, float] = {}
         self.L_waiting_joiners: set[NodeId] = set()
         self.L_lost_from = NONE
-        for pid in self.directory:
-            self.last_hb.setdefault(pid, now)  # type: ignore[attr-defined]
+        self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}  # type: ignore[misc]
         if recovering:
             return self._broadcast(Collect(iteration=self.L_t, leader=self.me.id), include_self=True)
         return self.start_iteration(self.L_t, now)

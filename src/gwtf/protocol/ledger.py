@@ -77,6 +77,7 @@ class Leg:
     next: NodeId = ""
     excl: set[NodeId] = field(default_factory=set)
     sent_at: float = 0.0
+    arrived_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -142,6 +143,16 @@ class CoreState:
         self.grad_cache: dict[MbId, tuple[TensorKey, tuple[NodeId, ...], tuple[int, ...]]] = {}
         self.gouts: dict[MbId, GradOut] = {}
         self.pending_fwd: list[tuple[NodeId, Message]] = []
+        self.pending_acks: list[Send] = []
+        # per-iteration state of the data holder and of the aggregation barrier
+        self.dh_started = 0
+        self.dh_reported_done = False
+        self.rt_ema_s = 0.0
+        self.started_iter = NONE
+        self.reported = False
+        self.commit: Any = None  # the leader's last Commit for this iteration
+        self.shares: dict[int, set[NodeId]] = {}
+        self.have_round = NONE
 
     # -- helpers -----------------------------------------------------------------------------
 

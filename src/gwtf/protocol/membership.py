@@ -28,13 +28,16 @@ from gwtf.protocol.messages import (
     Heartbeat,
     HeartbeatAck,
     JoinRequest,
+    LeaderVote,
     LeaveNotice,
     MemberDown,
     MemberUp,
     PeerTuple,
+    Probe,
     Ready,
     StateRequest,
     StateTransfer,
+    SuspectNotice,
     Welcome,
     record,
 )
@@ -60,6 +63,10 @@ class MembershipMixin(CoreState):
         self.last_leader_s = now
         self.last_hb: dict[NodeId, float] = {}
         self.pending_joiners: set[NodeId] = set()
+        self.probing: set[tuple[str, NodeId]] = set()
+        self.votes: dict[NodeId, set[NodeId]] = {}
+        self.vote_failed: set[NodeId] = set()
+        self.voted_for: NodeId = ""
         self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / max(self.me.compute_s, 1e-9)
         out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
         if self.me.stage < 0:
@@ -70,7 +77,6 @@ class MembershipMixin(CoreState):
         self.directory = {p.id: p for p in known}
         self.directory[self.me.id] = self.me
         for p in known:
-            self.last_hb[p.id] = now
             out += self._peer_up(p, now)
         self.leader = self._choose_leader()
         return out
@@ -105,19 +111,49 @@ class MembershipMixin(CoreState):
         if silent_s > self.cfg.partition_timeout_s:
             return out + self.stop("partitioned", now)
         if silent_s > self.cfg.evict_after_s and self.leader in self.directory:
-            out.append(record("leader_lost", node=self.me.id, leader=self.leader))
-            out += self.peer_down(self.leader, now)
+            out += self._vote(now)
         elif silent_s > self.cfg.suspect_after_s:
             out.append(log("info", "leader_suspected", leader=self.leader))
         if self.leader and self.leader != self.me.id:
             out.append(self.send(self.leader, Heartbeat(version=self.version)))
         return out
 
+    def _vote(self, now: float) -> list[Effect]:
+        """The leader is silent: vote for the lowest-id data holder we can still reach.
+
+        A candidate takes over only with votes from a majority of the members, so a node cut
+        off from a live leader alone (one bad link) cannot start a second leader."""
+        candidates = sorted(p for p, i in self.directory.items()
+                            if i.stage == 0 and p != self.leader and p not in self.vote_failed)
+        if not candidates:
+            return []
+        out: list[Effect] = []
+        if self.voted_for != candidates[0]:
+            out.append(record("leader_lost", node=self.me.id, leader=self.leader, vote=candidates[0]))
+        self.voted_for = candidates[0]
+        return out + [self.send(candidates[0], LeaderVote(old=self.leader))]
+
+    def on_leader_vote(self, sender: NodeId, msg: LeaderVote, now: float) -> list[Effect]:
+        if self.is_leader or msg.old != self.leader or msg.old not in self.directory:
+            return []
+        voters = self.votes.setdefault(msg.old, set())
+        voters.add(sender)
+        if 2 * len(voters) <= len(self.directory) - 1:
+            return []
+        old = self.leader
+        self.leader = self.me.id
+        out: list[Effect] = [record("leader_change", node=self.me.id, leader=self.me.id, votes=len(voters))]
+        out += self.become_leader(now)
+        return out + self.evict(old, False, now)
+
+    def vote_failed_to(self, peer: NodeId) -> None:
+        self.vote_failed.add(peer)
+
     def on_heartbeat(self, sender: NodeId, msg: Heartbeat, now: float) -> list[Effect]:
+        if sender not in self.directory and sender not in self.pending_joiners:
+            return [self.send(sender, Evicted())]  # a zombie the leader evicted: stop it
         if not self.is_leader:
             return []
-        if sender not in self.directory and sender not in self.pending_joiners:
-            return [self.send(sender, Evicted())]
         self.last_hb[sender] = now
         return [self.send(sender, HeartbeatAck(leader=self.me.id, iteration=self.iteration))]
 
@@ -136,9 +172,50 @@ class MembershipMixin(CoreState):
         out += [self.send(q, msg) for q in sorted(self.directory) if q not in (pid, self.me.id)]
         return out + self.peer_down(pid, now)
 
+    def suspect(self, peer: NodeId, now: float) -> list[Effect]:
+        """A missed ack deadline or failed send: skip `peer` for routing until heard from; ask the
+        leader to probe it (the leader evicts it if the probe goes unanswered)."""
+        if peer in self.suspects or peer not in self.directory or peer == self.me.id:
+            return []
+        self.suspects.add(peer)
+        out: list[Effect] = [record("suspect", node=self.me.id, peer=peer),
+                             self.timer(("unsuspect", peer), self.cfg.evict_after_s, now)]
+        out += list(self.router.on_peer_down(peer, now))
+        if self.leader:
+            out.append(self.send(self.leader, SuspectNotice(node=peer)))
+        return out
+
+    def on_unsuspect_timer(self, peer: NodeId, now: float) -> list[Effect]:
+        """The leader did not evict a peer we suspected: it is alive (slow, or the link was bad)."""
+        info = self.directory.get(peer)
+        if peer not in self.suspects or info is None:
+            return []
+        self.suspects.discard(peer)
+        return list(self.router.on_peer_up(info, self.link(peer), now))
+
+    def on_suspect_notice(self, sender: NodeId, msg: SuspectNotice, now: float) -> list[Effect]:
+        if not self.is_leader or msg.node not in self.directory or msg.node == self.me.id:
+            return []
+        if ("probe", msg.node) in self.probing:
+            return []
+        self.probing.add(("probe", msg.node))
+        return [self.send(msg.node, Probe()), self.timer(("probe", msg.node, now), self.cfg.deadline_floor_s, now)]
+
+    def on_probe(self, sender: NodeId, msg: Probe, now: float) -> list[Effect]:
+        return [self.send(sender, Heartbeat(version=self.version))]
+
+    def on_probe_timer(self, peer: NodeId, sent_s: float, now: float) -> list[Effect]:
+        self.probing.discard(("probe", peer))
+        if self.is_leader and peer in self.directory and self.last_hb.get(peer, now) < sent_s:
+            return self.evict(peer, False, now)
+        return []
+
     def on_member_down(self, sender: NodeId, msg: MemberDown, now: float) -> list[Effect]:
         if msg.node == self.me.id:
             return self.stop("evicted", now)
+        if msg.node == self.leader:  # a new leader announces the old one's eviction
+            self.leader = sender
+            self.last_leader_s = now
         return self.peer_down(msg.node, now)
 
     def on_evicted(self, sender: NodeId, msg: Evicted, now: float) -> list[Effect]:
@@ -168,12 +245,10 @@ class MembershipMixin(CoreState):
                 out += self.bwd_failed(mb, now)  # type: ignore[attr-defined]
             elif g.redo_start != NONE and g.path[g.redo_start - 1] == pid:
                 out += self.redo_failed(mb, now)  # type: ignore[attr-defined]
-        if pid == self.leader:
+        if pid == self.leader:  # only when told by a member other than a new leader
             self.leader = self._choose_leader()
             self.last_leader_s = now
             out.append(record("leader_change", node=self.me.id, leader=self.leader))
-            if self.leader == self.me.id:
-                out += self.become_leader(now)
         return out + self.on_member_dead(pid, info.stage, now)
 
     def _recover_rec(self, rec: Leg | Origin, ref: int | tuple[str, int, int], pid: NodeId,

@@ -116,6 +116,7 @@ class Passed(Message):
     TYPE = "train.passed"
     mb: MbId
     leg: int
+    held_s: float = 0.0  # time the acking node held the activation (rtt - held = network time)
 
 
 @message
@@ -133,10 +134,12 @@ class Backward(_Tensor):
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackAck(Message):
-    """Ack of a Backward: the receiver has taken the gradient."""
+    """Ack of a Backward, sent once the receiver has back-propagated it and passed its own
+    gradient on (so a crash before that is the sender's to recover)."""
 
     TYPE = "train.back"
     mb: MbId
+    held_s: float = 0.0
 
 
 @message
@@ -194,6 +197,32 @@ class HeartbeatAck(Message):
     TYPE = "mem.hback"
     leader: NodeId
     iteration: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SuspectNotice(Message):
+    """A node to the leader: `node` missed an ack deadline or a send to it failed."""
+
+    TYPE = "mem.suspect"
+    node: NodeId
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaderVote(Message):
+    """A node that lost the leader `old` votes for the receiver to take over (majority wins)."""
+
+    TYPE = "mem.vote"
+    old: NodeId
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Probe(Message):
+    """Leader to a suspected node: answer with a Heartbeat now."""
+
+    TYPE = "mem.probe"
 
 
 @message

@@ -6,7 +6,8 @@ Owns: what a data holder and a relay do with one microbatch (DESIGN.md 3 and 5):
   next stage's job (adaptive deadline; no ack -> suspect the peer, reroute from the cached
   activation: nothing upstream is redone);
 - backward: along the same route in reverse; each node accumulates the microbatch exactly once
-  (`contributed`), caches the gradient it sent, and waits for a `BackAck`;
+  (`contributed`), caches the gradient it sent, and waits for a `BackAck` (sent by the receiver
+  once it has back-propagated and passed its own gradient on);
 - backward crash at stage k: the gradient holder (stage k+1 or the DH) walks upstream with
   `Redo` to the nearest live node, which sends its cached activation to another stage-k replica
   marked as a redo chain; the chain's last node fetches the holder's cached gradient
@@ -156,7 +157,7 @@ class TrainingMixin(CoreState):
         n = self.new_leg()
         leg = Leg(n=n, mb=msg.mb, sender=sender, path=msg.path, legs=msg.legs, in_key=msg.key,
                   out_key=self.mb_key("act", msg.mb, n), flow_id=msg.flow_id, until=msg.until,
-                  holder=msg.holder, agg=msg.agg)
+                  holder=msg.holder, agg=msg.agg, arrived_at=now)
         self.legs[n] = leg
         flops = FWD * self.train.stage_flops[self.me.stage]
         return [Compute(self.job("forward", n), "forward", self.me.stage, msg.mb, flops, (msg.key,),
@@ -185,31 +186,34 @@ class TrainingMixin(CoreState):
         if rec is None or rec.phase != "out" or rec.next != sender or rec.mb != msg.mb:
             return []
         rec.phase = "passed"
-        self.observe_ack(sender, now - rec.sent_at)
+        rtt = now - rec.sent_at
+        self.observe_ack(sender, rtt)
         out: list[Effect] = [self.cancel(("ackf", ref))]
+        out += self.observe_transfer(sender, self.train.activation_bytes, rtt - msg.held_s)
         if isinstance(rec, Leg):
-            out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1])))
+            out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1], held_s=now - rec.arrived_at)))
         return out
 
     def on_backward(self, sender: NodeId, msg: Backward, now: float) -> list[Effect]:
         if msg.mb[1] != self.iteration:
             return []
         pos = self.me.stage
-        out: list[Effect] = [self.send(sender, BackAck(mb=msg.mb))]
+        out: list[Effect] = []
         if msg.mb in self.contributed:
-            return out  # end of an aggregation redo chain, or a duplicate: counted once already
+            # end of an aggregation redo chain, or a duplicate: counted once already
+            return [self.send(sender, BackAck(mb=msg.mb))]
         if pos == 0:
             o = self.origins.get(msg.mb)
             if o is None:
-                return out
+                return []
             o.phase = "embed_bwd"
             out.append(self.cancel(("gget", o.mb)))
             flops = EMBED_BWD * self.train.stage_flops[0]
-            job = self.job("embed_backward", o.mb)
+            job = self.job("embed_backward", (o.mb, sender, now))
             return out + [Compute(job, "embed_backward", 0, o.mb, flops, (msg.key,), ())]
         leg = self.legs.get(msg.legs[pos]) if len(msg.legs) == self.S else None
         if leg is None or leg.mb != msg.mb or leg.phase == "bwd":
-            return out + [log("warning", "unknown_backward", mb=msg.mb, sender=sender)]
+            return [log("warning", "unknown_backward", mb=msg.mb, sender=sender)]
         if leg.phase == "gradwait":
             out.append(self.cancel(("gget", leg.n)))
         elif leg.next:
@@ -217,7 +221,7 @@ class TrainingMixin(CoreState):
         leg.phase = "bwd"
         gkey = self.mb_key("grad", leg.mb, leg.n)
         flops = BWD * self.train.stage_flops[pos]
-        job = self.job("backward", (leg.n, msg.path, msg.legs, gkey))
+        job = self.job("backward", (leg.n, msg.path, msg.legs, gkey, sender, now))
         return out + [Compute(job, "backward", pos, leg.mb, flops, (leg.in_key, leg.out_key, msg.key),
                               (gkey,))]
 
@@ -240,22 +244,26 @@ class TrainingMixin(CoreState):
             self.grad_cache[mb] = (lgrad, path, legs)
             return self._send_grad(mb, path, legs, self.S, lgrad, now)
         if kind == "backward":
-            n, path, legs, gkey = ref  # type: ignore[misc]
+            n, path, legs, gkey, ack_to, got_s = ref  # type: ignore[misc]
             leg = self.legs.get(n)
             if leg is None or leg.mb in self.contributed:
                 return []
             leg.phase = "done"
-            return self._contribute(leg.mb, n, now) + self._after_backward(leg, path, legs, gkey, now)
+            ack = self.send(ack_to, BackAck(mb=leg.mb, held_s=now - got_s))
+            return self._contribute(leg.mb, n, now) + self._after_backward(leg, path, legs, gkey, now) + [ack]
         if kind == "embed_backward":
-            o = self.origins.get(ref)  # type: ignore[arg-type]
+            mb, ack_to, got_s = ref  # type: ignore[misc]
+            o = self.origins.get(mb)
             if o is None or o.mb in self.contributed:
                 return []
+            self.pending_acks.append(self.send(ack_to, BackAck(mb=mb, held_s=now - got_s)))
             o.phase = "done"
             o.incomplete = False
             dt = now - o.started_at
             a = self.cfg.ema_alpha
             self.rt_ema_s = dt if self.rt_ema_s == 0.0 else (1 - a) * self.rt_ema_s + a * dt
-            return [self.cancel(("mb", o.mb))] + self._contribute(o.mb, NONE, now) + self._dh_progress(now)
+            acks, self.pending_acks = self.pending_acks, []
+            return [self.cancel(("mb", o.mb))] + acks + self._contribute(o.mb, NONE, now) + self._dh_progress(now)
         return []
 
     def _contribute(self, mb: MbId, n: int, now: float) -> list[Effect]:
@@ -295,8 +303,9 @@ class TrainingMixin(CoreState):
         if g is None or g.path[g.pos - 1] != sender or g.redo_start != NONE:
             return []
         del self.gouts[msg.mb]
+        self.observe_ack(sender, now - g.sent_at)
         return [self.cancel(("ackb", msg.mb))] + self.observe_transfer(
-            sender, self.train.activation_bytes, now - g.sent_at)
+            sender, self.train.activation_bytes, now - g.sent_at - msg.held_s)
 
     def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
         """The node we sent a gradient to is gone: ask the nearest live upstream node to redo."""

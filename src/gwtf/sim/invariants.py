@@ -9,7 +9,8 @@ there are none.
    started microbatches in the iteration and was alive at the decision is in the expected set,
    with all the microbatches it started (a crashed DH's microbatches are dropped and counted).
 2. Same weights: all replicas of a stage step iteration t with the same round and contributors
-   and reach version t+1.
+   and reach version t+1 (a replica that stepped otherwise and then died does not count: its
+   state died with it).
 3. Progress / no microbatch in flight forever: an iteration completes at least every
    `progress_bound_s` unless a whole stage is lost; a run that ends before its iterations
    without a lost stage deadlocked. At the end, all live active replicas hold the same version.
@@ -34,7 +35,7 @@ class InvariantChecker:
         self.dead_at: dict[str, float] = {}
         self.started: dict[tuple[int, int], dict[str, set[int]]] = {}
         self.decisions: dict[tuple[int, int, int, int], dict[str, Any]] = {}
-        self.applied: dict[tuple[int, int, int], tuple[int, tuple[str, ...]]] = {}
+        self.applied: dict[tuple[int, int, int], tuple[int, tuple[str, ...], set[str]]] = {}
         self.last_progress_s = 0.0
         self.stage_lost = False
 
@@ -78,10 +79,14 @@ class InvariantChecker:
         contributors = tuple(f["contributors"])
         prev = self.applied.get(akey)
         if prev is not None:
-            if prev != (rnd, contributors):
+            if (prev[0], prev[1]) == (rnd, contributors):
+                prev[2].add(node)
+                return
+            if any(n not in self.dead_at for n in prev[2]):
                 self.violate(f"divergent_step: {node} stage {stage} iteration {it} round {rnd} vs {prev[0]}")
-            return
-        self.applied[akey] = (rnd, contributors)
+                return
+            # every replica that stepped the other way is dead: its state died with it
+        self.applied[akey] = (rnd, contributors, {node})
         d = self.decisions.get((self.epoch, it, rnd, stage))
         if d is None:
             self.violate(f"step_without_decision: {node} iteration {it} round {rnd} stage {stage}")

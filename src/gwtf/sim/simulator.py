@@ -298,8 +298,12 @@ class Simulator:
         self.start()
         self.engine.run(until_s=self.sc.sim.max_time_s, stop=self._done)
         now = self.engine.now
-        versions = {n: c.version for n, c in sorted(self.cores.items()) if c.active}
-        self.checker.finish(now, self.finished, self.stage_lost, versions)
+        leaders = [c for _, c in sorted(self.cores.items()) if c.is_leader]
+        members = leaders[0].directory if leaders else self.cores
+        versions = {n: c.version for n, c in sorted(self.cores.items()) if c.active and n in members}
+        covered = {c.me.stage for c in self.cores.values() if c.active}
+        lost = self.stage_lost or len(covered) < self.train.stages
+        self.checker.finish(now, self.finished, lost, versions)
         out = self.metrics.summary(now, self.train.iterations)
         out["microbatches_dropped"] = self.metrics.counters.get("microbatches_dropped", 0)
         out["invariant_violations"] = self.checker.count
