@@ -166,6 +166,8 @@ class ProtocolConfig:
     retry_period_s: float = 1.0  # parked work (no live next hop) is retried this often
     partition_timeout_s: float = 60.0  # a node that cannot reach any leader this long stops
     checkpoint_every: int = 10  # iterations between (modelled) checkpoints; a lost stage rolls back to one
+    swarm_rebalance_period_s: float = 300.0  # SWARM baseline: rebalancing period T (SWARM paper: 300 s)
+    swarm_ban_s: float = 60.0  # SWARM baseline: a failed peer is banned this long (its DHT record's life)
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_period_s", "suspect_after_s", "evict_after_s", "deadline_floor_s",
@@ -177,6 +179,8 @@ class ProtocolConfig:
         _require(self.evict_after_s > self.heartbeat_period_s, "protocol.evict_after_s",
                  "must be > protocol.heartbeat_period_s")
         _require(self.checkpoint_every >= 1, "protocol.checkpoint_every", "must be >= 1")
+        _require(self.swarm_rebalance_period_s >= 0, "protocol.swarm_rebalance_period_s", "must be >= 0")
+        _require(self.swarm_ban_s >= 0, "protocol.swarm_ban_s", "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
