@@ -91,7 +91,13 @@ class LeaderMixin(CoreState):
         if any(not m for m in self._stage_members()):
             return out + self._pause(now)
         self.L_phase = "run"
-        return out + self._broadcast(IterStart(iteration=t, leader=self.me.id), include_self=True)
+        out += self._broadcast(IterStart(iteration=t, leader=self.me.id), include_self=True)
+        every = self.policy.rebalance_every
+        return out + (self.rebalance(now) if every > 0 and t % every == 0 else [])
+
+    def rebalance(self, now: float) -> list[Effect]:
+        """Policy hook (`Policy.rebalance_every`): baselines move replicas between stages here."""
+        return []
 
     def _pause(self, now: float) -> list[Effect]:
         if self.L_phase != "paused":

@@ -319,7 +319,7 @@ class MembershipMixin(CoreState):
         if self.me.stage >= 0:
             return []
         util = msg.utilisation
-        stage = max(range(1, self.S), key=lambda k: (util[k], -k))  # relays only; ties: lowest
+        stage = self.choose_join_stage(util)
         self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / self.speed_flops_per_s)
         set_me = getattr(self.router, "set_me", None)
         if set_me is not None:
@@ -333,6 +333,10 @@ class MembershipMixin(CoreState):
         for pid in sorted(self.directory):
             out += self._peer_up(self.directory[pid], now)
         return out + self.fetch_state(msg.checkpoint_iteration, now)
+
+    def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
+        """The bottleneck relay stage (highest utilisation; ties: lowest). Policies may override."""
+        return max(range(1, self.S), key=lambda k: (utilisation[k], -k))
 
     def fetch_state(self, checkpoint: int, now: float) -> list[Effect]:
         replicas = sorted(p for p, info in self.directory.items() if info.stage == self.me.stage and p != self.me.id)
