@@ -101,6 +101,7 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
                 if live_table:
                     live.update(render_table(swarm.table_rows(), title), refresh=True)
                 time.sleep(POLL_S)  # display refresh period, not synchronisation
+        swarm.close()  # training is over (or timed out): no node may run on past it
         rows = swarm.metrics.rows
         if rows:
             plot_loss(rows, opts.out_dir / "loss.png", title=title)

@@ -248,15 +248,18 @@ class Host:
     def _load_checkpoint(self, w: StageWorker, key: Sequence[Any]) -> None:
         version = int(key[2])
         if version == 0:
-            fresh = self._make_worker(w.stage)
-            self.worker = fresh
+            w.reset_initial()
             return
         path = self.ckpt_dir / f"stage{w.stage}" / f"v{version}.safetensors"
         w.load_state_blob(np.frombuffer(path.read_bytes(), dtype=np.uint8))
 
     def _make_worker(self, stage: int) -> StageWorker:
-        return StageWorker(self.cfg, self.spec, stage, device=self.device, dataset=self.dataset,
-                           shard=self.ident.shard)
+        """A worker for `stage`; tensors already received (keyed by the protocol) are kept."""
+        w = StageWorker(self.cfg, self.spec, stage, device=self.device, dataset=self.dataset, shard=self.ident.shard)
+        old = getattr(self, "worker", None)
+        if old is not None:
+            w.store = old.store
+        return w
 
 
 def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
@@ -279,6 +282,22 @@ class RuntimeNodeCore(NodeCore):
     Remove once NodeCore.on_welcome honours a requested stage."""
 
     fixed_stage: int | None = None
+
+    def on_member_up(self, sender: NodeId, msg: Any, now: float) -> list[Any]:
+        # Workaround (see the report): a joiner activated mid-iteration gets Commit/GradShare
+        # without having seen IterStart, whose handler creates these fields.
+        for name, value in (("shares", {}), ("commit", None), ("have_round", -1), ("reported", False)):
+            if not hasattr(self, name):
+                setattr(self, name, value)
+        return super().on_member_up(sender, msg, now)
+
+    def on_heartbeat_timer(self, now: float) -> list[Any]:
+        # Workaround (see the report): leader_init puts the leader itself into `last_hb`, and a
+        # leader never heartbeats itself, so it would evict itself after evict_after_s.
+        hb = getattr(self, "last_hb", None)
+        if hb is not None and self.me.id in hb:
+            hb[self.me.id] = now
+        return super().on_heartbeat_timer(now)
 
     def on_welcome(self, sender: NodeId, msg: Welcome, now: float) -> list[Any]:
         if self.fixed_stage is None or self.me.stage >= 0:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gwtf.config import Config
+from gwtf.runtime.audit import audit_ledger
 from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status
 
@@ -148,6 +149,10 @@ class SwarmMetrics:
             self._file.flush()
             new.append(row)
 
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
     def close(self) -> None:
         self._file.close()
 
@@ -176,8 +181,11 @@ class Swarm:
         self.close()
 
     def close(self) -> None:
+        """Kill every node (idempotent), then read their last records."""
         self.group.close()
-        self.metrics.close()
+        if not self.metrics.closed:
+            self.metrics.poll(self.group.procs)
+            self.metrics.close()
 
     def start(self) -> None:
         """Start the bootstrap data holder, then the other data holders through it (and wait until
@@ -262,6 +270,25 @@ class Swarm:
                 self.say(f"churn: kill -9 {victim.name}")
                 joiner = self.join_node()
                 self.say(f"churn: joiner {joiner.name} started")
+
+    def run_until(self, iterations: int, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Poll (records, churn) until `iterations` are complete; False at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.metrics.rows) < iterations:
+            self.step()
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)  # polling period of a bounded wait, not synchronisation
+        return True
+
+    def log_tails(self, n_bytes: int = 1500) -> str:
+        return "\n".join(f"--- {p.name} ({p.state})\n{p.log_tail(n_bytes)}" for p in self.group.procs)
+
+    def audit(self, iterations: int | None = None) -> tuple[list[str], dict[str, int]]:
+        """The exactly-once ledger of the completed iterations, from the node logs."""
+        self.metrics.poll(self.group.procs)
+        n = len(self.metrics.rows) if iterations is None else iterations
+        return audit_ledger(self.metrics.records, n, self.cfg.model.stages, self.metrics.hashes)
 
     def finished(self) -> bool:
         return len(self.metrics.rows) >= self.cfg.train.iterations

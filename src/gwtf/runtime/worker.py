@@ -190,6 +190,14 @@ class StageWorker:
         self.microbatches_accumulated = 0
         return self.weights_hash()
 
+    def reset_initial(self) -> None:
+        """Back to the seeded initial weights and a fresh optimizer (checkpoint version 0)."""
+        fresh = build_stage(self.spec, self.stage, self.cfg.model.stages, self.cfg.train.seed, device=self.device)
+        self.module.load_state_dict(fresh.state_dict(), strict=True)
+        self.optimizer = StageOptimizer(self.module, self.cfg.train)
+        self._saved.clear()
+        self.microbatches_accumulated = 0
+
     def zero_grads(self) -> None:
         self.optimizer.optimizer.zero_grad(set_to_none=True)
         self.microbatches_accumulated = 0

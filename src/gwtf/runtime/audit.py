@@ -1,0 +1,83 @@
+"""The exactly-once ledger, checked from a swarm's node logs alone (DESIGN.md section 3).
+
+Owns `audit_ledger(records, iterations, stages, hashes)`: for every finished iteration and stage,
+the leader's final aggregation decision (the `decision` record of the highest round) must cover
+every expected microbatch exactly once; every contributor must have logged (`contribute`) each
+microbatch it was credited with; and every replica that stepped (`stepped`, written by the node
+driver with the new weights' hash) must hold the same weights. Expected microbatches exclude
+those of a crashed data holder (dropped and counted by the leader's `dh_lost` record).
+
+`gwtf swarm` runs it at the end of a run; the integration tests assert it. Reads plain dicts (the
+rows of `DIR/nodes/*/records.jsonl`). Must not import torch or asyncio.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Records = Mapping[str, Sequence[Mapping[str, Any]]]
+
+
+def final_decisions(records: Records) -> dict[tuple[int, int], Mapping[str, Any]]:
+    """The highest-round `decision` record per (iteration, stage), from whichever node led."""
+    out: dict[tuple[int, int], Mapping[str, Any]] = {}
+    for rows in records.values():
+        for r in rows:
+            if r.get("event") != "decision":
+                continue
+            key = (int(r["iteration"]), int(r["stage"]))
+            if key not in out or r["round"] > out[key]["round"]:
+                out[key] = r
+    return out
+
+
+def _contributions(records: Records) -> dict[str, Counter[tuple[str, int, int, int]]]:
+    out: dict[str, Counter[tuple[str, int, int, int]]] = {}
+    for rows in records.values():
+        for r in rows:
+            if r.get("event") == "contribute":
+                origin, it, idx = r["mb"]
+                out.setdefault(str(r["node"]), Counter())[(origin, int(it), int(idx), int(r["stage"]))] += 1
+    return out
+
+
+def audit_ledger(
+    records: Records, iterations: int, stages: int, hashes: Mapping[tuple[int, int], Mapping[str, str]]
+) -> tuple[list[str], dict[str, int]]:
+    """Check iterations 0..iterations-1. Returns (violations, totals); no violations = exactly once.
+
+    `hashes`: (iteration, stage) -> node -> weights hash after that step.
+    totals: `expected` microbatch-stage pairs, `dropped` microbatches of crashed data holders.
+    """
+    problems: list[str] = []
+    decisions = final_decisions(records)
+    logged = _contributions(records)
+    totals: Counter[str] = Counter()
+    for rows in records.values():
+        totals["dropped"] += sum(max(0, int(r.get("started", 0))) for r in rows if r.get("event") == "dh_lost")
+    for it in range(iterations):
+        for stage in range(stages):
+            d = decisions.get((it, stage))
+            if d is None:
+                problems.append(f"iteration {it} stage {stage}: no aggregation decision")
+                continue
+            expected = sorted((dh, int(i)) for dh, idxs in d["expected"] for i in idxs)
+            covered = sorted((o, int(i)) for mbs in d["contributions"].values() for o, i in mbs)
+            if covered != expected:
+                extra = sorted((Counter(covered) - Counter(expected)).elements())
+                missing = sorted((Counter(expected) - Counter(covered)).elements())
+                problems.append(f"iteration {it} stage {stage}: counted twice/unexpected {extra}, missing {missing}")
+            for node, mbs in d["contributions"].items():
+                mine = logged.get(node, Counter())
+                absent = [(o, i) for o, i in mbs if mine[(o, it, int(i), stage)] < 1]
+                if absent:
+                    problems.append(f"iteration {it} stage {stage}: {node} credited with unlogged {absent}")
+            step_hashes = hashes.get((it, stage), {})
+            if not step_hashes:
+                problems.append(f"iteration {it} stage {stage}: no replica logged its step")
+            elif len(set(step_hashes.values())) != 1:
+                problems.append(f"iteration {it} stage {stage}: replicas diverged {dict(step_hashes)}")
+            totals["expected"] += len(expected)
+    return problems, dict(totals)
