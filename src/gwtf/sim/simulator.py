@@ -41,13 +41,20 @@ class System:
 
     policy: Policy
     router: Callable[[PeerInfo, TrainParams, ScenarioConfig], Router]
+    core: Callable[..., NodeCore] = NodeCore  # a baseline may extend NodeCore through its hooks
 
 
 def _gwtf(sc: ScenarioConfig) -> System:
     return System(Policy(), lambda me, train, s: make_router(s.protocol.router, me, train))
 
 
-SYSTEMS: dict[str, Callable[[ScenarioConfig], System]] = {"gwtf": _gwtf}
+def _swarm(sc: ScenarioConfig) -> System:
+    from gwtf.protocol.swarm import SWARM_POLICY, SwarmCore, swarm_router
+
+    return System(SWARM_POLICY, lambda me, train, s: swarm_router(me, train, s.protocol), SwarmCore)
+
+
+SYSTEMS: dict[str, Callable[[ScenarioConfig], System]] = {"gwtf": _gwtf, "swarm": _swarm}
 
 
 def register_system(name: str, factory: Callable[[ScenarioConfig], System]) -> None:
@@ -118,7 +125,7 @@ class Simulator:
 
     def _add_core(self, info: PeerInfo, speed: float) -> None:
         router = self.system.router(info, self.train, self.sc)
-        core = NodeCore(info, self.sc.protocol, self.train, random.Random(f"{self.seed}:{info.id}"),
+        core = self.system.core(info, self.sc.protocol, self.train, random.Random(f"{self.seed}:{info.id}"),
                         router, self.system.policy, self._prior)
         self.cores[info.id] = core
         self.net.add_node(info.id, info.region)
