@@ -129,6 +129,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
     assert _comparable(rest.metrics) == _comparable(whole.metrics)
     on_disk = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert _comparable(on_disk) == _comparable(whole.metrics)
+    assert {"val_loss", "val_loss_at_stop"} & set(part.metrics[-1])  # a stopped run reports val loss
 
 
 def test_corrupt_checkpoint_is_a_user_error(tmp_path: Path) -> None:

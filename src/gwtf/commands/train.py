@@ -86,9 +86,12 @@ def run(args: argparse.Namespace) -> int:
     ds = result.dataset
     first = result.metrics[0]["loss"] if result.metrics else float("nan")
     last = result.metrics[-1]["loss"] if result.metrics else float("nan")
+    end = result.metrics[-1] if result.metrics else {}
+    val = end.get("val_loss", end.get("val_loss_at_stop"))
+    val_text = f" (val {val:.4f})" if val is not None else ""
     status = "stopped early (resume with --resume)" if result.stopped_early else "done"
     print(
-        f"{status}: {result.completed}/{total} iterations, loss {first:.4f} -> {last:.4f}; data {ds.name}, "
+        f"{status}: {result.completed}/{total} iterations, loss {first:.4f} -> {last:.4f}{val_text}; data {ds.name}, "
         f"vocab {ds.vocab_size}, unigram entropy {ds.unigram_entropy_nats():.4f} nats "
         f"({ds.unigram_entropy_bits():.4f} bits); outputs in {args.out}"
     )

@@ -279,7 +279,8 @@ def _read_metrics(path: Path, before: int) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [r for r in rows if int(r["iteration"]) < before]
+    # A stop-time evaluation is not part of the run's cadence: drop it so resumed == uninterrupted.
+    return [{k: v for k, v in r.items() if k != "val_loss_at_stop"} for r in rows if int(r["iteration"]) < before]
 
 
 def _save(
@@ -372,17 +373,19 @@ def train_local(
             completed = t + 1
             last = completed == tc.iterations
             row = _metrics_row(t, stats, metrics, elapsed0 + time.monotonic() - t0, dt)
+            stopped = not last and (
+                (stop_after is not None and completed >= stop_after)
+                or (tc.time_limit_s > 0 and time.monotonic() - t0 >= tc.time_limit_s)
+            )
             if last or (tc.eval_every and completed % tc.eval_every == 0):
                 row["val_loss"] = evaluate(stages, val_batches)
+            elif stopped:  # a stopped run reports where it got to; resumed runs re-evaluate on cadence
+                row["val_loss_at_stop"] = evaluate(stages, val_batches)
             metrics.append(row)
             sink.write(json.dumps(row) + "\n")
             sink.flush()
             if on_iteration is not None:
                 on_iteration(row)
-            stopped = not last and (
-                (stop_after is not None and completed >= stop_after)
-                or (tc.time_limit_s > 0 and time.monotonic() - t0 >= tc.time_limit_s)
-            )
             if last or stopped or (tc.checkpoint_every and completed % tc.checkpoint_every == 0):
                 _save(out, completed, stages, optimizers, cfg, elapsed0 + time.monotonic() - t0, metrics)
             if stopped:
