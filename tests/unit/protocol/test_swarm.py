@@ -1,0 +1,122 @@
+"""SWARM baseline: stochastic wiring proportions, ban + retry, the rebalancing decision."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gwtf.protocol.router import LinkEstimate, PeerInfo
+from gwtf.protocol.swarm import SwarmRouter, plan_move, stage_throughputs
+
+FAST_LINK = LinkEstimate(latency_s=0.0, bandwidth_bytes_per_s=1e18)
+
+
+def _router(peers: dict[str, float], ban_s: float = 60.0, seed: int = 0) -> SwarmRouter:
+    me = PeerInfo(id="me", stage=1, region="r", compute_s=1.0, capacity=4)
+    r = SwarmRouter(me, stages=4, activation_bytes=1000, ban_s=ban_s, rng=random.Random(seed))
+    for pid, c in peers.items():
+        r.on_peer_up(PeerInfo(id=pid, stage=2, region="r", compute_s=c, capacity=1), FAST_LINK, 0.0)
+    return r
+
+
+def _picks(r: SwarmRouter, n: int, now: float = 0.0, exclude: tuple[str, ...] = ()) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for _ in range(n):
+        choice = r.next_hop(-1, "me", "dh", exclude, now)
+        assert choice is not None
+        out[choice[0]] = out.get(choice[0], 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_wiring_is_proportional_to_throughput(seed: int) -> None:
+    """Peers 1x, 2x and 4x slower get microbatches in ratio 4:2:1 (within one pick)."""
+    r = _router({"a": 1.0, "b": 2.0, "c": 4.0}, seed=seed)
+    got = _picks(r, 700)
+    for pid, want in (("a", 400), ("b", 200), ("c", 100)):
+        assert abs(got[pid] - want) <= 2, got
+
+
+def test_wiring_interleaves_rather_than_bursts() -> None:
+    """Equal peers alternate: no peer gets two in a row while another waits (round-robin)."""
+    r = _router({"a": 1.0, "b": 1.0, "c": 1.0})
+    seq = [r.next_hop(-1, "me", "dh", (), 0.0) for _ in range(9)]
+    names = [s[0] for s in seq if s is not None]
+    for i in range(0, 9, 3):
+        assert sorted(names[i:i + 3]) == ["a", "b", "c"]
+
+
+def test_wiring_counts_the_link_not_only_compute() -> None:
+    """Same compute, one peer behind a slow link: it gets fewer microbatches."""
+    me = PeerInfo(id="me", stage=1, region="r", compute_s=1.0, capacity=4)
+    r = SwarmRouter(me, stages=4, activation_bytes=10**6, ban_s=60.0, rng=random.Random(0))
+    r.on_peer_up(PeerInfo(id="near", stage=2, region="r", compute_s=1.0, capacity=1), FAST_LINK, 0.0)
+    slow = LinkEstimate(latency_s=0.5, bandwidth_bytes_per_s=1e6)  # 1 s + 0.5 s each way
+    r.on_peer_up(PeerInfo(id="far", stage=2, region="r", compute_s=1.0, capacity=1), slow, 0.0)
+    got = _picks(r, 400)
+    assert got["near"] == pytest.approx(4 * got["far"], abs=4)
+
+
+def test_only_next_stage_peers_are_used() -> None:
+    r = _router({"a": 1.0})
+    r.on_peer_up(PeerInfo(id="same", stage=1, region="r", compute_s=0.1, capacity=1), FAST_LINK, 0.0)
+    r.on_peer_up(PeerInfo(id="dh", stage=0, region="r", compute_s=0.1, capacity=1), FAST_LINK, 0.0)
+    assert set(_picks(r, 10)) == {"a"}
+
+
+def test_failed_peer_is_banned_until_expiry_and_work_retries_elsewhere() -> None:
+    r = _router({"a": 1.0, "b": 1.0, "c": 1.0}, ban_s=30.0)
+    r.on_peer_down("a", 10.0)
+    # heard from again during the ban: SWARM keeps it banned until its record expires
+    r.on_peer_up(PeerInfo(id="a", stage=2, region="r", compute_s=1.0, capacity=1), FAST_LINK, 12.0)
+    assert "a" not in _picks(r, 20, now=39.9)
+    # the core retries a failed hop with the failed peer excluded: another replica of the stage
+    assert set(_picks(r, 10, now=20.0, exclude=("b",))) == {"c"}
+    # everything banned or excluded: no hop (the core parks the microbatch and retries)
+    assert r.next_hop(-1, "me", "dh", ("b", "c"), 20.0) is None
+    # after expiry the peer is back, near the top of the heap (measured again soon)
+    first = [r.next_hop(-1, "me", "dh", (), 40.0) for _ in range(3)]
+    assert ("a", -1) in first
+
+
+def test_ban_does_not_outlive_a_stage_change() -> None:
+    r = _router({"a": 1.0})
+    r.on_peer_down("a", 0.0)
+    r.set_me(PeerInfo(id="me", stage=2, region="r", compute_s=1.0, capacity=4))
+    assert r.banned == {}
+    assert r.next_hop(-1, "me", "dh", (), 0.0) is None  # stage 3 peers not known yet
+
+
+def _p(pid: str, stage: int, c: float) -> PeerInfo:
+    return PeerInfo(id=pid, stage=stage, region="r", compute_s=c, capacity=4)
+
+
+FLOPS = (1.0, 10.0, 10.0, 10.0)
+
+
+def test_rebalancing_moves_a_peer_of_the_least_loaded_stage_to_the_bottleneck() -> None:
+    members = [_p("dh", 0, 1.0), _p("s1", 1, 1.0), _p("x", 2, 1.0), _p("y", 2, 1.0), _p("z", 2, 0.5),
+               _p("t1", 3, 1.0), _p("t2", 3, 1.0)]
+    tp = stage_throughputs(members, 4)
+    assert tp[1:] == [1.0, 4.0, 2.0]
+    move = plan_move(members, FLOPS)
+    assert move == ("x", 1)  # x or y leave 3.0 at stage 2 (z would leave 2.0): lowest id wins
+
+
+def test_rebalancing_accounts_for_a_different_stage_cost() -> None:
+    """A node's time at its new stage scales with that stage's FLOPs."""
+    flops = (1.0, 40.0, 10.0, 10.0)  # stage 1 costs 4x stage 2
+    members = [_p("s1", 1, 1.0), _p("a", 2, 0.25), _p("b", 2, 0.25), _p("t", 3, 0.1)]
+    assert plan_move(members, flops) == ("a", 1)  # a at stage 1: 1.0 s per mb; min 1 -> 2 mb/s
+    # with stage 3 also at 1 mb/s, the move cannot raise the minimum: none
+    slow3 = [*members[:3], _p("t", 3, 1.0)]
+    assert plan_move(slow3, flops) is None
+
+
+def test_no_move_when_it_would_not_raise_the_minimum() -> None:
+    balanced = [_p("a", 1, 1.0), _p("b", 2, 1.0), _p("c", 3, 1.0)]
+    assert plan_move(balanced, FLOPS) is None
+    two_each = [_p("a", 1, 1.0), _p("a2", 1, 1.0), _p("b", 2, 1.0), _p("b2", 2, 1.0), _p("c", 3, 1.0)]
+    # moving b to stage 3 leaves stage 2 at 1.0: the minimum stays 1.0, no move
+    assert plan_move(two_each, FLOPS) is None
