@@ -99,6 +99,7 @@ class SwarmRouter:
 
     def on_peer_up(self, info: PeerInfo, link: LinkEstimate, now: float) -> list[Any]:
         if info.id == self.me.id or self.me.stage < 0 or info.stage != self._next_stage():
+            self._peers.pop(info.id, None)  # it moved to another stage (rebalancing)
             return []
         if self._next_stage() == 0:
             return []  # the last relay returns to the origin data holder: no choice to make
@@ -116,7 +117,9 @@ class SwarmRouter:
         self._tie[pid] = self.rng.random()
 
     def on_peer_down(self, peer: NodeId, now: float) -> list[Any]:
-        if peer in self._peers:
+        """Ban the peer; it is used again only once the ban expired *and* it was announced again
+        (`on_peer_up`: heard from, or re-admitted), as a SWARM peer's fresh DHT record."""
+        if self._peers.pop(peer, None) is not None:
             self.banned[peer] = now + self.ban_s
         return []
 
@@ -173,24 +176,31 @@ class SwarmRouter:
 # ---------------------------------------------------------------------------------------------
 
 
-def stage_throughputs(members: Iterable[PeerInfo], stages: int) -> list[float]:
-    """Microbatches per second each relay stage can process: sum of 1 / compute_s (stage 0: 0)."""
+def stage_throughputs(members: Iterable[PeerInfo], stages: int,
+                      transfer_s: Mapping[NodeId, float] | None = None) -> list[float]:
+    """Microbatches per second each relay stage can process: sum over its replicas of
+    1 / (compute_s + transfer_s) (stage 0: 0)."""
+    net = transfer_s or {}
     tp = [0.0] * stages
     for p in members:
         if p.stage >= 1:
-            tp[p.stage] += 1.0 / max(p.compute_s, 1e-12)
+            tp[p.stage] += 1.0 / max(p.compute_s + net.get(p.id, 0.0), 1e-12)
     return tp
 
 
-def plan_move(members: Sequence[PeerInfo], stage_flops: Sequence[float]) -> tuple[NodeId, int] | None:
+def plan_move(members: Sequence[PeerInfo], stage_flops: Sequence[float],
+              transfer_s: Mapping[NodeId, float] | None = None) -> tuple[NodeId, int] | None:
     """SWARM's rebalancing step: (peer, target stage) or None when no move helps.
 
-    The bottleneck is the relay stage with the least throughput, the donor the one with the most
-    (it must keep a replica). The donor's peer that leaves the highest minimum after the move is
-    chosen (ties: lowest id); the move happens only if it strictly raises the minimum.
+    A peer's throughput at stage k is 1 / (its compute time there + `transfer_s[peer]`, the
+    network time of one microbatch to and from it: SWARM measures throughput on the RPC, so
+    the network counts). The bottleneck is the relay stage with the least throughput, the donor
+    the one with the most (it must keep a replica). The donor's peer that leaves the highest
+    minimum after the move is chosen (ties: lowest id); it moves only if the minimum rises.
     """
     stages = len(stage_flops)
-    tp = stage_throughputs(members, stages)
+    net = transfer_s or {}
+    tp = stage_throughputs(members, stages, net)
     relay = range(1, stages)
     count = {k: sum(1 for p in members if p.stage == k) for k in relay}
     bottleneck = min(relay, key=lambda k: (tp[k], k))
@@ -203,9 +213,10 @@ def plan_move(members: Sequence[PeerInfo], stage_flops: Sequence[float]) -> tupl
         if p.stage != donor:
             continue
         speed = stage_flops[donor] / max(p.compute_s, 1e-12)
+        extra = net.get(p.id, 0.0)
         after = list(tp)
-        after[donor] -= 1.0 / max(p.compute_s, 1e-12)
-        after[bottleneck] += speed / stage_flops[bottleneck]
+        after[donor] -= 1.0 / max(p.compute_s + extra, 1e-12)
+        after[bottleneck] += 1.0 / (stage_flops[bottleneck] / speed + extra)
         new_min = min(after[k] for k in relay)
         if best is None or new_min > best[0]:
             best = (new_min, p.id)
@@ -234,11 +245,25 @@ class SwarmCore(NodeCore):
             return []  # a join (or the previous move) is still under way: one move at a time
         self.last_rebalance_s = now
         members = [self.directory[p] for p in sorted(self.directory)]
-        move = plan_move(members, self.train.stage_flops)
+        move = plan_move(members, self.train.stage_flops, self.transfer_estimates(members))
         if move is None:
             return [record("rebalance", moved="", to=-1)]
         pid, target = move
         return [record("rebalance", moved=pid, to=target), self.send(pid, SwarmMove(stage=target))]
+
+    def transfer_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
+        """Per peer: network seconds of one microbatch (activation in, gradient out), averaged
+        over the links from every other member (priors where known, else our measured link)."""
+        size = self.train.activation_bytes
+        out: dict[NodeId, float] = {}
+        for p in members:
+            if self.link_prior is None:
+                links = [self.link(p.id)]
+            else:
+                links = [self.link_prior(q, p) for q in members if q.id != p.id] or [self.link(p.id)]
+            one_way = [lk.latency_s + size / max(lk.bandwidth_bytes_per_s, 1.0) for lk in links]
+            out[p.id] = 2.0 * sum(one_way) / len(one_way)
+        return out
 
     # -- relay side --------------------------------------------------------------------------
 

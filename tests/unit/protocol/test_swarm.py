@@ -120,3 +120,18 @@ def test_no_move_when_it_would_not_raise_the_minimum() -> None:
     two_each = [_p("a", 1, 1.0), _p("a2", 1, 1.0), _p("b", 2, 1.0), _p("b2", 2, 1.0), _p("c", 3, 1.0)]
     # moving b to stage 3 leaves stage 2 at 1.0: the minimum stays 1.0, no move
     assert plan_move(two_each, FLOPS) is None
+
+
+def test_dead_or_moved_peers_are_not_used_after_the_ban() -> None:
+    r = _router({"a": 1.0, "b": 1.0, "c": 1.0}, ban_s=5.0)
+    r.on_peer_down("a", 0.0)  # evicted: never announced again
+    r.on_peer_up(PeerInfo(id="b", stage=3, region="r", compute_s=1.0, capacity=1), FAST_LINK, 0.0)  # moved
+    assert set(_picks(r, 6, now=100.0)) == {"c"}
+
+
+def test_rebalancing_counts_the_network_time_of_each_peer() -> None:
+    """Compute alone says stage 1 is the bottleneck; with x's slow network stage 2 is."""
+    members = [_p("a", 1, 1.0), _p("b", 1, 1.0), _p("x", 2, 0.25), _p("t1", 3, 1.0), _p("t2", 3, 1.0),
+               _p("t3", 3, 1.0), _p("t4", 3, 1.0)]
+    assert plan_move(members, FLOPS) == ("t1", 1)
+    assert plan_move(members, FLOPS, {"x": 3.75}) == ("t1", 2)
