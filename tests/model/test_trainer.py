@@ -155,3 +155,8 @@ def test_tiny_local_config_documents_the_defaults() -> None:
     path = Path(__file__).resolve().parents[2] / "configs" / "tiny-local.toml"
     cfg, defaults = load_config(path), Config()
     assert (cfg.model, cfg.data, cfg.train) == (defaults.model, defaults.data, defaults.train)
+
+
+def test_resume_without_a_checkpoint_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no checkpoint to resume from"):
+        train_local(tiny_config(tmp_path), tmp_path / "empty", resume=True, say=lambda _: None)

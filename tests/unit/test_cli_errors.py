@@ -52,11 +52,6 @@ def test_train_without_local_points_to_swarm(tmp_path: Path) -> None:
     _assert_one_line_error(_gwtf(tmp_path, "train", "--out", "run"), "--local", "gwtf swarm")
 
 
-def test_resume_without_checkpoint(tmp_path: Path) -> None:
-    proc = _gwtf(tmp_path, "train", "--local", "--out", "run", "--resume", "--set", "data.source=synthetic")
-    _assert_one_line_error(proc, "no checkpoint to resume from")
-
-
 def test_corrupt_checkpoint(tmp_path: Path) -> None:
     from gwtf.config import write_resolved
     from gwtf.model.trainer import train_local
