@@ -45,7 +45,7 @@ from gwtf.runtime.tensor_sim import (
     relay_crash_schedule,
     run_with_tensors,
 )
-from gwtf.sim.scenario import ScenarioConfig, build, load_scenario
+from gwtf.sim.scenario import Fault, ScenarioConfig, build, load_scenario
 
 ATOL = 1e-12
 RTOL = 1e-9
@@ -85,8 +85,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     torch.set_num_threads(threads)
 
 
-def _problems(run: TensorRun, want: list[StageWeights] | dict[int, StageWeights]) -> list[str]:
-    """Everything wrong with a finished run, as readable lines (empty = exactly once held)."""
+def _problems(run: TensorRun, want: list[StageWeights] | dict[int, StageWeights],
+              initial: frozenset[str]) -> list[str]:
+    """Everything wrong with a finished run, as readable lines (empty = exactly once held).
+
+    `initial`: the nodes present from the start (they must have stepped every iteration)."""
     out: list[str] = []
     s = run.summary
     if not s.get("finished") or s.get("microbatches_dropped") or s.get("invariant_violations"):
@@ -106,18 +109,18 @@ def _problems(run: TensorRun, want: list[StageWeights] | dict[int, StageWeights]
     for (stage, it), hashes in sorted(run.step_hashes.items()):
         if len(set(hashes.values())) != 1:
             out.append(f"stage {stage} iteration {it}: replicas diverged {hashes}")
-    for it in range(K):
-        for stage, nodes in alive_per_stage.items():
-            missing = set(nodes) - set(run.step_hashes.get((stage, it), {}))
-            if missing:
-                out.append(f"stage {stage} iteration {it}: no step recorded by {sorted(missing)}")
+    for node, stage in sorted(run.stage_of.items()):
+        stepped = [it for it in range(K) if node in run.step_hashes.get((stage, it), {})]
+        first = 0 if node in initial else (stepped[0] if stepped else K)  # a joiner steps once active
+        if stepped != list(range(first, K)):
+            out.append(f"{node} (stage {stage}) recorded steps of iterations {stepped}")
     return out
 
 
 def test_no_churn_equals_the_reference_trainer(setup: Setup) -> None:
     run = setup.no_churn
     assert not run.crashed
-    assert _problems(run, setup.reference) == []
+    assert _problems(run, setup.reference, _initial(setup)) == []
     assert sorted(run.stage_of.values()) == sorted(n.stage for n in setup.built[0].nodes)
     for it, want in enumerate(setup.reference_losses):
         got = run.losses[it]
@@ -149,12 +152,16 @@ def _churn_seeds(setup: Setup, seeds: range, victims: int) -> tuple[list[str], l
     runs: list[TensorRun] = []
     for seed in seeds:
         run, schedule, error = _churn_run(setup, seed, victims)
-        problems = [error] if run is None else _problems(run, reference)
+        problems = [error] if run is None else _problems(run, reference, _initial(setup))
         if run is not None:
             runs.append(run)
         if problems:
             failures.append(f"{schedule} crashed={run.crashed if run else '?'}: " + "; ".join(problems))
     return failures, runs
+
+
+def _initial(setup: Setup) -> frozenset[str]:
+    return frozenset(setup.built[0].by_id)
 
 
 def _stage_weights(run: TensorRun) -> dict[int, StageWeights]:
@@ -199,6 +206,16 @@ class _DoubleCounting(TensorSimulator):
 def test_detects_a_double_count(setup: Setup, tmp_path: Path) -> None:
     sim = _DoubleCounting(setup.sc, 0, setup.cfg, setup.dataset, out_dir=tmp_path, built=setup.built)
     sim.run()
-    problems = _problems(sim.result, setup.reference)
+    problems = _problems(sim.result, setup.reference, _initial(setup))
     assert sim.doubled
     assert any("stage 1" in p and "differs" in p for p in problems), problems
+
+
+def test_a_joiner_takes_real_state_and_stays_identical(setup: Setup) -> None:
+    """A new node joins, then a relay crashes: the joiner fetches weights + AdamW state over the (simulated)
+    wire and ends with the no-churn weights like every survivor."""
+    faults = (Fault(event="join", time_s=0.2), Fault(event="crash", node=setup.built[0].by_stage[1][0], time_s=3.0))
+    run = run_with_tensors(replace(setup.sc, faults=faults), 1, setup.cfg, setup.dataset, built=setup.built)
+    assert run.crashed == [setup.built[0].by_stage[1][0]]
+    assert "j1" in run.weights
+    assert _problems(run, _stage_weights(setup.no_churn), _initial(setup)) == []
