@@ -180,6 +180,8 @@ def test_relay_crashes_at_random_points_keep_exactly_once(setup: Setup) -> None:
     assert len(crashed) >= 15, f"only {len(crashed)} of 20 seeds crashed a relay"
     points = {p.split(":")[1].split("#")[0] for r in runs for p in r.crash_points}
     assert {"forward", "backward", "export_grad"} <= points, points
+    paths = {k for r in runs for k, v in r.summary["counters"].items() if v}
+    assert {"reroute", "redo_inflight", "redo_aggregation"} <= paths, paths  # every recovery path ran
 
 
 @pytest.mark.slow
