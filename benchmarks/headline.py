@@ -30,9 +30,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from gwtf.protocol.ledger import TrainParams
+from gwtf.protocol.router import PeerInfo, Router
+from gwtf.protocol.simple_router import GreedyRouter
 from gwtf.sim.plots import RunPlotData, write_plots
-from gwtf.sim.scenario import load_scenario
-from gwtf.sim.simulator import Simulator, get_system
+from gwtf.sim.scenario import ScenarioConfig, load_scenario
+from gwtf.sim.simulator import Simulator, System, get_system
 
 SYSTEMS = ("gwtf", "swarm")
 FAMILIES = ("gpt", "llama")
@@ -63,11 +66,27 @@ def scenario_overrides(family: str, churn: str, iterations: int, extra: list[str
             f"churn.join_rate_per_hour={joins}", f'name="{family}-{churn}"', *extra]
 
 
+def system_for(name: str, sc: ScenarioConfig) -> System:
+    """The named system; a joiner (stage -1, before it picks a stage) gets a placeholder router.
+
+    The flow router refuses a node without a stage, and NodeCore rebuilds the router once the
+    joiner has chosen its stage, so the placeholder never routes anything.
+    """
+    base = get_system(name, sc)
+
+    def router(me: PeerInfo, train: TrainParams, s: ScenarioConfig) -> Router:
+        if me.stage < 0:
+            return GreedyRouter(me, train.stages, train.activation_bytes)
+        return base.router(me, train, s)
+
+    return System(base.policy, router, base.core)
+
+
 def run_one(job: tuple[str, str, int, str, int, list[str], str]) -> dict[str, Any]:
     """One (family, churn, seed, system) run; writes plots for it when `plot_dir` is set."""
     family, churn, seed, system, iterations, extra, plot_dir = job
     sc = load_scenario(None, scenario_overrides(family, churn, iterations, extra))
-    sim = Simulator(sc, seed, get_system(system, sc))
+    sim = Simulator(sc, seed, system_for(system, sc))
     joins: list[float] = []
     record = sim._record
 
