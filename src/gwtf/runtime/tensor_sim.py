@@ -224,11 +224,11 @@ class TensorSimulator(Simulator):
 def run_with_tensors(sc: ScenarioConfig, seed: int, cfg: Config, dataset: TokenDataset, *,
                      built: tuple[Instance, TrainParams] | None = None,
                      compute_faults: Sequence[ComputeFault] = (), dtype: torch.dtype = torch.float64,
-                     out_dir: str | Path | None = None) -> TensorRun:
+                     out_dir: str | Path | None = None, system: str = "gwtf") -> TensorRun:
     """One seeded simulation with real tensors; checkpoints (if any) go to a temporary folder."""
     with tempfile.TemporaryDirectory(prefix="gwtf-tensorsim-") as tmp:
         sim = TensorSimulator(sc, seed, cfg, dataset, out_dir=out_dir or tmp, built=built,
-                              compute_faults=compute_faults, dtype=dtype)
+                              compute_faults=compute_faults, dtype=dtype, system=system)
         sim.run()
         return sim.result
 
