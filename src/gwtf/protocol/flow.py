@@ -73,7 +73,7 @@ class FlowAgent(FlowAnneal):
     # ----------------------------------------------------------------------------- Router API
 
     def on_start(self, now: float) -> list[Any]:
-        self.now = now
+        self.now = self.started_s = now
         first = now + self.rng.uniform(0.0, self.cfg.tick_s)
         self._out.append(SetTimer(("flow", "tick"), first))
         self._dirty = True
@@ -191,7 +191,10 @@ class FlowAgent(FlowAnneal):
         if nb is None:
             return
         nb.has_capacity = msg.has_capacity
-        nb.adv = dict(zip(msg.targets, msg.costs_s))
+        adv = dict(zip(msg.targets, msg.costs_s))
+        if adv != nb.adv:
+            nb.adv = adv
+            self.costs_dirty = True
         self._dirty = True
 
     def _on_request(self, sender: NodeId, msg: FlowRequest) -> None:
@@ -230,7 +233,10 @@ class FlowAgent(FlowAnneal):
         if not msg.accepted:
             if nb is not None:
                 nb.has_capacity = msg.has_capacity
-                nb.adv[msg.origin] = msg.cost_s
+                if nb.adv.get(msg.origin) != msg.cost_s:
+                    nb.adv[msg.origin] = msg.cost_s
+                    self.costs_dirty = True
+                self._dirty = True
             self._forward(e)
             return
         e.pending = False
@@ -307,7 +313,7 @@ class FlowAgent(FlowAnneal):
         self._forward(e)
 
     def _reject(self, to: NodeId, origin: NodeId, flow_id: int) -> None:
-        cost = self._current_costs().get(origin, INF)
+        cost = self.cost_to(origin)
         self._send(to, FlowResponse(origin, flow_id, False, cost_s=cost, has_capacity=self._has_capacity()))
 
     def _last_of(self, e: FlowEntry) -> str:

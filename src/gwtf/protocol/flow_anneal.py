@@ -64,12 +64,14 @@ class FlowAnneal(FlowCore):
     accepted_moves: int
     _busy: _Busy | None
     _cooldown: dict[NodeId, float]
+    _peer_max: dict[NodeId, float]  # dearest route each same-stage peer showed in its last table
 
     def _anneal_init(self) -> None:
         self.temperature_s = self.cfg.anneal_t0_s
         self.accepted_moves = 0
         self._busy = None
         self._cooldown = {}
+        self._peer_max = {}
 
     def _reheat(self) -> None:
         self.temperature_s = max(self.temperature_s, self.cfg.anneal_reheat * self.cfg.anneal_t0_s)
@@ -112,15 +114,28 @@ class FlowAnneal(FlowCore):
         own = [] if self.is_dh else self._movable()
         if not peers or (not own and self._spare() <= 0) or (self.is_dh and not self._dh_blocked()):
             return
-        peer = self.rng.choice(peers)
+        peer = self._pick_peer(peers)
         nodes = sorted({e.prev for e in own} | {e.next for e in own if e.next is not None})
         self._send(peer, FlowQuery(tuple(nodes)))
         self._busy = _Busy("query", peer, self.now)
+
+    def _pick_peer(self, peers: list[NodeId]) -> NodeId:
+        """Tournament of `anneal_tournament` random peers: the one whose dearest route was dearest.
+
+        Peers never queried count as dearest, so every peer gets looked at; after that the
+        search concentrates where the expensive routes are, which is what min-max needs.
+        """
+        k = min(len(peers), self.cfg.anneal_tournament)
+        return max(self.rng.sample(peers, k), key=lambda p: (self._peer_max.get(p, INF), p))
 
     def _on_table(self, sender: NodeId, msg: FlowTable) -> None:
         busy = self._busy
         if busy is None or busy.kind != "query" or busy.peer != sender:
             return
+        self._peer_max[sender] = max(
+            (u + d + lp + ln for u, d, lp, ln in zip(msg.up_prev_s, msg.down_next_s, msg.link_prev_s, msg.link_next_s)),
+            default=0.0,
+        )
         self._busy = None
         self._cool(sender)
         move = self._best_move(msg)
@@ -234,6 +249,7 @@ class FlowAnneal(FlowCore):
 
     def _anneal_peer_down(self, peer: NodeId) -> None:
         self._cooldown.pop(peer, None)
+        self._peer_max.pop(peer, None)
         if self._busy is not None and self._busy.peer == peer:
             self._abort_busy()
 

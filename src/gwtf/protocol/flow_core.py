@@ -103,6 +103,10 @@ class FlowCore:
         self._advertised: tuple[tuple[str, ...], tuple[float, ...], bool] | None = None
         self._last_advert_s = -INF
         self._advert_timer_set = False
+        self._costs: tuple[tuple[str, ...], tuple[float, ...]] = ((), ())
+        self.costs_dirty = True  # neighbour costs, links or membership changed since last recompute
+        self.started_s = 0.0
+        self._first_advert = True
 
     # ------------------------------------------------------------------------------ effects
 
@@ -129,12 +133,12 @@ class FlowCore:
             self.prev_peers[info.id] = nb
         if info.stage == self.me.stage:
             self.same_peers[info.id] = nb
-        self._dirty = True
+        self._dirty = self.costs_dirty = True
 
     def _remove_peer(self, peer: NodeId) -> None:
         for table in (self.prev_peers, self.same_peers, self.next_peers):
             table.pop(peer, None)
-        self._dirty = True
+        self._dirty = self.costs_dirty = True
 
     def _update_link(self, peer: NodeId, link: LinkEstimate) -> bool:
         """Re-price the edge to `peer`; False if the peer is unknown."""
@@ -145,7 +149,7 @@ class FlowCore:
                 nb.link = link
                 nb.cost_s = self._edge_cost(nb.info, link)
                 found = True
-        self._dirty = found
+        self._dirty = self.costs_dirty = found
         return found
 
     def _edge_cost(self, info: PeerInfo, link: LinkEstimate) -> float:
@@ -197,6 +201,22 @@ class FlowCore:
 
     # ----------------------------------------------------------------------- cost adverts
 
+    def _cost_vector(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        """(targets, costs) sorted by target; recomputed only when something it depends on changed."""
+        if self.costs_dirty:
+            self.costs_dirty = False
+            costs = self._current_costs()
+            targets = tuple(sorted(costs))
+            self._costs = (targets, tuple(costs[t] for t in targets))
+        return self._costs
+
+    def cost_to(self, target: NodeId) -> float:
+        targets, costs = self._cost_vector()
+        for t, c in zip(targets, costs):
+            if t == target:
+                return c
+        return INF
+
     def _current_costs(self) -> dict[NodeId, float]:
         """Least cost from me to each target data holder over live peers (distance vector).
 
@@ -219,6 +239,8 @@ class FlowCore:
         """Advertise my costs to the previous stage if they changed (at most once per interval)."""
         if self.is_dh or not self.prev_peers:
             return
+        if self._hold_first_advert():
+            return
         due = self._last_advert_s + self.cfg.advert_interval_s
         if self.now < due:
             if not self._advert_timer_set:
@@ -226,15 +248,29 @@ class FlowCore:
                 self._out.append(SetTimer(("flow", "advert"), due))
             return
         self._last_advert_s = self.now
-        costs = self._current_costs()
-        targets = tuple(sorted(costs))
-        state = (targets, tuple(costs[t] for t in targets), self._has_capacity())
+        targets, costs = self._cost_vector()
+        state = (targets, costs, self._has_capacity())
         if state == self._advertised:
             return
         self._advertised = state
         msg = FlowAdvert(*state)
         for pid in self.prev_peers:
             self._send(pid, msg)
+
+    def _hold_first_advert(self) -> bool:
+        """At start, wait (up to 3 ticks) until every next-stage peer has advertised: one complete
+        advert instead of a burst of partial ones (this is most of the start-up traffic)."""
+        if not self._first_advert or self.is_last:
+            return False
+        hold_until = self.started_s + 3 * self.cfg.tick_s
+        silent = not self.next_peers or any(not nb.adv for nb in self.next_peers.values())
+        if self.now < hold_until and silent:
+            if not self._advert_timer_set:
+                self._advert_timer_set = True
+                self._out.append(SetTimer(("flow", "advert"), hold_until))
+            return True
+        self._first_advert = False
+        return False
 
     # ------------------------------------------------------------------- costs along flows
 
