@@ -108,6 +108,7 @@ class RuntimeConfig:
     ready_timeout_s: float = 90.0  # launcher: deadline for a node's READY line
     wan: str = ""  # "" = no WAN emulation; else a network name (e.g. "geo10") whose delays are emulated
     fault: str = ""  # fault injection for chaos tests, e.g. "kill:forward:iter=2:mb=1" (docs/runtime.md)
+    start_members: int = 0  # leader: hold iteration 0 until this many nodes are members (0 = a replica per stage)
 
     def __post_init__(self) -> None:
         _require(self.max_frame_bytes >= 2**16, "runtime.max_frame_bytes", "must be >= 65536")
@@ -132,9 +133,10 @@ class FlowConfig:
     anneal_cooling: float = 0.95  # T <- cooling * T after every accepted move
     anneal_min_t_s: float = 1e-4  # below this only strictly improving moves are proposed
     anneal_reheat: float = 0.5  # on crash / join / link change: T <- max(T, reheat * T0)
+    anneal_tournament: int = 3  # peers sampled per move; the one showing the dearest route is asked
     cooldown_ticks: int = 5  # a same-stage peer just interacted with is left alone this long
     stable_s: float = 2.0  # a flow changed more recently than this is not offered for moves
-    check_every_ticks: int = 10  # consistency check of every flow with its neighbours
+    check_every_ticks: int = 30  # consistency check of every flow with its neighbours
     tombstone_s: float = 30.0  # how long a node forwards notices about a flow it handed over
 
     def __post_init__(self) -> None:
