@@ -72,9 +72,10 @@ def compare(instance: Instance, cfg: Config, seed: int, crash_fraction: float = 
     }}
     t0 = time.perf_counter()
     sim = RoutingSim(instance, cfg.flow, seed=seed)
-    res = sim.run(time_limit_s)
+    res = sim.run(time_limit_s, target_flow=opt.stats.flow)
     out["gwtf"] = {
         **_scores(instance, res.routes), "converged": res.converged, "converged_at_s": res.converged_at_s,
+        "flow_reached_at_s": res.flow_reached_at_s,
         "messages": res.messages, "messages_per_node": res.messages / len(instance.nodes),
         "wall_s": time.perf_counter() - t0,
     }
