@@ -111,8 +111,9 @@ class FlowAnneal(FlowCore):
         if self.rng.random() >= self.cfg.anneal_probability:
             return
         peers = [p for p in sorted(self.same_peers) if self._cooldown.get(p, -INF) <= self.now]
-        own = [] if self.is_dh else self._movable()
-        if not peers or (not own and self._spare() <= 0) or (self.is_dh and not self._dh_blocked()):
+        own = self._movable()
+        spare = self._spare() if not self.is_dh or self._dh_blocked() else 0
+        if not peers or (not own and spare <= 0):
             return
         peer = self._pick_peer(peers)
         nodes = sorted({e.prev for e in own} | {e.next for e in own if e.next is not None})
@@ -150,10 +151,8 @@ class FlowAnneal(FlowCore):
 
     def _best_move(self, msg: FlowTable) -> _Move | None:
         links_b = dict(zip(msg.link_nodes, msg.link_costs_s))
-        own = [] if self.is_dh else [
-            (e, links_b.get(e.prev, INF), links_b.get(e.next or "", INF)) for e in self._movable()
-        ]
-        spare = self._spare()
+        own = [(e, links_b.get(e.prev, INF), links_b.get(e.next or "", INF)) for e in self._movable()]
+        spare = self._spare() if not self.is_dh or self._dh_blocked() else 0
         take = "yield" if self.is_dh else "redirect"
         best: tuple[float, float] | None = None
         move: _Move | None = None
@@ -173,7 +172,7 @@ class FlowAnneal(FlowCore):
                 if b_prev == INF or b_next == INF:
                     continue
                 c_a = e.up_s + e.down_s
-                c_a_new = e.up_prev_s + b_prev + b_next + e.down_next_s
+                c_a_new = self._up_prev(e) + b_prev + b_next + e.down_next_s
                 score = (max(c_a, c_b) - max(c_a_new, c_b_new), c_a + c_b - c_a_new - c_b_new)
                 if best is None or score > best:
                     best, move = score, _Move(0.0, "exchange", i, e)
@@ -196,7 +195,7 @@ class FlowAnneal(FlowCore):
             busy.my_key, busy.my_prev, busy.my_next = e.key, e.prev, e.next or ""
             prop = FlowPropose(
                 "exchange", key[0], key[1], msg.prevs[i], msg.nexts[i],
-                e.origin, e.flow_id, e.prev, e.next or "", e.up_prev_s, e.down_next_s,
+                e.origin, e.flow_id, e.prev, e.next or "", self._up_prev(e), e.down_next_s,
             )
         self._busy = busy
         self._send(peer, prop)
@@ -209,8 +208,11 @@ class FlowAnneal(FlowCore):
         if not msg.accepted:
             return
         self.accepted_moves += 1
-        if busy.kind == "yield":
-            self._adopt(msg)
+        if busy.kind == "yield" or self.is_dh:  # data holders trade whole routes by renaming them
+            self._adopt(msg.origin, msg.flow_id, msg.prev, msg.next, msg.up_prev_s, msg.down_next_s)
+            mine = self._find(*busy.my_key) if busy.my_key is not None else None
+            if mine is not None:
+                self._forget(mine)
             return
         e = self._install(msg.origin, msg.flow_id, msg.prev, msg.next, msg.up_prev_s, msg.down_next_s)
         self._announce(e, old=sender)
@@ -288,8 +290,11 @@ class FlowAnneal(FlowCore):
             self._send(sender, FlowRespond(False, msg.origin, msg.flow_id))
             return
         self._cool(sender)
-        if msg.kind == "yield":  # a data holder hands one route over to a peer data holder
+        if self.is_dh:  # yield or exchange between data holders: routes change owner by renaming
             self._forget(e)
+            if msg.kind == "exchange":
+                self._adopt(msg.my_origin, msg.my_flow_id, msg.my_prev, msg.my_next, msg.my_up_prev_s,
+                            msg.my_down_next_s)
             self._send(sender, FlowRespond(
                 True, msg.origin, msg.flow_id, e.prev, e.next or "", -self.link_s(e.prev), e.down_next_s
             ))
@@ -307,16 +312,21 @@ class FlowAnneal(FlowCore):
 
     # ---------------------------------------------------------------------- yield (rename)
 
-    def _adopt(self, msg: FlowRespond) -> None:
-        """A peer data holder yielded a route to me: name it mine and rename it downstream."""
+    def _up_prev(self, e: FlowEntry) -> float:
+        """Route cost before entering me; at a data holder -d(last relay, me) (see _on_query)."""
+        return -self.link_s(e.prev) if self.is_dh else e.up_prev_s
+
+    def _adopt(self, origin: NodeId, flow_id: int, prev: NodeId, nxt: NodeId, up_prev_s: float,
+               down_next_s: float) -> None:
+        """A peer data holder's route becomes mine: name it mine and rename it downstream."""
         fid = self._new_flow_id()
-        e = FlowEntry(origin=self.me.id, flow_id=fid, prev=msg.prev, next=msg.next, since_s=self.now)
+        e = FlowEntry(origin=self.me.id, flow_id=fid, prev=prev, next=nxt, since_s=self.now)
         # estimate until the last relay reports: the peer's closing edge replaced by mine
-        e.down_next_s = msg.down_next_s + msg.up_prev_s + self.link_s(msg.prev)
-        e.down_s = self.link_s(msg.next) + e.down_next_s
+        e.down_next_s = down_next_s + up_prev_s + self.link_s(prev)
+        e.down_s = self.link_s(nxt) + e.down_next_s
         self.flows[e.key] = e
         self._dirty = True
-        self._send(msg.next, FlowRekey(msg.origin, msg.flow_id, self.me.id, fid, 0.0))
+        self._send(nxt, FlowRekey(origin, flow_id, self.me.id, fid, 0.0))
 
     def _on_rekey(self, sender: NodeId, msg: FlowRekey) -> None:
         old, new = (msg.origin, msg.flow_id), (msg.new_origin, msg.new_flow_id)
