@@ -130,7 +130,7 @@ class FlowConfig:
     max_pending_requests: int = 4  # data holder: reservations in progress at once
     anneal_probability: float = 0.5  # chance per tick that a relay starts an annealing move
     anneal_t0_s: float = 0.05  # initial temperature, in seconds of route cost
-    anneal_cooling: float = 0.95  # T <- cooling * T after every accepted move
+    anneal_cooling: float = 0.95  # T <- cooling * T after every annealing attempt
     anneal_min_t_s: float = 1e-4  # below this only strictly improving moves are proposed
     anneal_reheat: float = 0.5  # on crash / join / link change: T <- max(T, reheat * T0)
     anneal_tournament: int = 3  # peers sampled per move; the one showing the dearest route is asked
