@@ -4,7 +4,7 @@ Owns: `RoutingSim`, which delivers the agents' messages with delay = one-way lat
 bytes / bandwidth between the two nodes' regions (a constant size per control message), fires
 their timers, tells each agent its prev / same / next-stage neighbours at start (with the true
 link as if measured: both directions averaged, so the agent's d(i,j) equals the instance's), runs
-until the routes stop changing for `stable_ticks` ticks (or a virtual time limit), extracts the
+until it is stable for `stable_ticks` ticks (or a virtual time limit), extracts the
 routes by following every data holder's flows, and crashes relays silently (messages to them are
 lost; their neighbours get `on_peer_down` after `detection_delay_s` + latency).
 
@@ -14,7 +14,7 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ class RoutingOutcome:
     messages: int  # messages sent during this run
     end_s: float  # virtual time when the run stopped
     flow_reached_at_s: float | None = None  # first time the flow hit `target_flow` (if asked)
+    routes_changed_at_s: float = 0.0  # last change of any route (= converged_at_s with stop_when="routes")
 
 
 def peer_info(spec: NodeSpec) -> PeerInfo:
@@ -55,7 +56,15 @@ class RoutingSim:
         message_bytes: int = CONTROL_MESSAGE_BYTES,
         detection_delay_s: float = 1.0,
         stable_ticks: int = 20,
+        stop_when: str = "routes",
     ) -> None:
+        """`stop_when`: "routes" = no route changed for `stable_ticks` ticks; "objective" = the flow
+        and the max route cost (to 0.1%) did not change for that long, while annealing may still
+        shuffle cheaper routes (large swarms keep finding small improvements for a long time)."""
+        if stop_when not in ("routes", "objective"):
+            raise ValueError(f"stop_when must be 'routes' or 'objective', got {stop_when!r}")
+        self.stop_when = stop_when
+        self._route_cost: dict[Route, float] = {}
         self.instance = instance
         self.cfg = cfg or FlowConfig()
         self.seed = seed
@@ -83,14 +92,16 @@ class RoutingSim:
         if not self._started:
             self._start()
         start_s, msgs0 = self.engine.now, self.messages
-        state = _Monitor(start_s, self.routes(), target_flow)
+        state = _Monitor(start_s, self.routes(), target_flow, self._max_cost)
         tick_s = self.cfg.tick_s
         stable_s = self.stable_ticks * tick_s
+        by_objective = self.stop_when == "objective"
 
         def monitor() -> None:
             routes = self.routes()
             state.observe(self.engine.now, routes)
-            if state.routes and self.engine.now - state.last_change_s >= stable_s:
+            last = state.objective_change_s if by_objective else state.last_change_s
+            if state.routes and self.engine.now - last >= stable_s:
                 state.done = True
             elif not state.routes and self.engine.now - start_s >= 3 * stable_s:
                 state.done = True
@@ -100,10 +111,21 @@ class RoutingSim:
         self.engine.after(tick_s, monitor)
         self.engine.run(until_s=start_s + time_limit_s, stop=lambda: state.done)
         reached = None if state.reached_s is None else state.reached_s - start_s
+        last = state.objective_change_s if by_objective else state.last_change_s
         return RoutingOutcome(
-            tuple(sorted(state.routes)), state.done, state.last_change_s - start_s,
-            self.messages - msgs0, self.engine.now - start_s, reached,
+            tuple(sorted(state.routes)), state.done, last - start_s,
+            self.messages - msgs0, self.engine.now - start_s, reached, state.last_change_s - start_s,
         )
+
+    def _max_cost(self, routes: list[Route]) -> float:
+        cache = self._route_cost
+        best = 0.0
+        for r in routes:
+            c = cache.get(r)
+            if c is None:
+                c = cache[r] = self.instance.route_cost_s(r)
+            best = max(best, c)
+        return best
 
     def crash(self, fraction: float, rng: random.Random) -> list[NodeId]:
         """Crash `fraction` of the live relays now (at least one survivor per stage); returns them."""
@@ -233,11 +255,14 @@ class RoutingSim:
 
 
 class _Monitor:
-    """Tracks the last route change of a run."""
+    """Tracks the last route change and the last objective change (flow, max cost) of a run."""
 
-    def __init__(self, start_s: float, routes: list[Route], target_flow: int | None) -> None:
+    def __init__(self, start_s: float, routes: list[Route], target_flow: int | None,
+                 max_cost: Callable[[list[Route]], float]) -> None:
         self.routes = sorted(routes)
-        self.last_change_s = start_s
+        self.max_cost = max_cost
+        self.objective = (len(routes), max_cost(routes))
+        self.last_change_s = self.objective_change_s = start_s
         self.target_flow = target_flow
         self.reached_s: float | None = None
         self.done = False
@@ -247,5 +272,9 @@ class _Monitor:
         if routes != self.routes:
             self.routes = routes
             self.last_change_s = now
+            flow, top = len(routes), self.max_cost(routes)
+            if flow != self.objective[0] or abs(top - self.objective[1]) > 1e-3 * self.objective[1]:
+                self.objective = (flow, top)
+                self.objective_change_s = now
         if self.reached_s is None and self.target_flow is not None and len(routes) >= self.target_flow:
             self.reached_s = now
