@@ -43,12 +43,19 @@ def _contributions(records: Records) -> dict[str, Counter[tuple[str, int, int, i
     return out
 
 
+def dropped_by(row: Mapping[str, Any], microbatches: int) -> int:
+    """Microbatches a `dh_lost` record drops: those the holder started, all M if it never said."""
+    started = int(row.get("started", -1))
+    return started if started >= 0 else microbatches
+
+
 def audit_ledger(
-    records: Records, iterations: int, stages: int, hashes: Mapping[tuple[int, int], Mapping[str, str]]
+    records: Records, iterations: int, stages: int, hashes: Mapping[tuple[int, int], Mapping[str, str]],
+    microbatches: int = 0,
 ) -> tuple[list[str], dict[str, int]]:
     """Check iterations 0..iterations-1. Returns (violations, totals); no violations = exactly once.
 
-    `hashes`: (iteration, stage) -> node -> weights hash after that step.
+    `hashes`: (iteration, stage) -> node -> weights hash after that step; `microbatches`: M.
     totals: `expected` microbatch-stage pairs, `dropped` microbatches of crashed data holders.
     """
     problems: list[str] = []
@@ -56,7 +63,7 @@ def audit_ledger(
     logged = _contributions(records)
     totals: Counter[str] = Counter()
     for rows in records.values():
-        totals["dropped"] += sum(max(0, int(r.get("started", 0))) for r in rows if r.get("event") == "dh_lost")
+        totals["dropped"] += sum(dropped_by(r, microbatches) for r in rows if r.get("event") == "dh_lost")
     for it in range(iterations):
         for stage in range(stages):
             d = decisions.get((it, stage))

@@ -27,7 +27,7 @@ import os
 import random
 import zlib
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +40,8 @@ from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
-from gwtf.protocol.membership import from_tuple
-from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record, Welcome, record
+from gwtf.protocol.membership import to_tuple
+from gwtf.protocol.messages import Compute, FreeIteration, GradShare, MemberUp, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 
@@ -136,6 +136,7 @@ class Host:
         seed = zlib.crc32(node_id.encode()) ^ cfg.train.seed
         core = RuntimeNodeCore(me, cfg.protocol, train, random.Random(seed))
         core.fixed_stage = None if bootstrap or stage < 0 else stage
+        core.start_members = cfg.runtime.start_members
         return cls(cfg, ident, node_id, core, spec, dataset, device)
 
     @property
@@ -276,47 +277,34 @@ def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
 
 
 class RuntimeNodeCore(NodeCore):
-    """NodeCore plus one runtime need it lacks (see the report): a node whose stage is fixed by
-    its operator (`--stage K`, data holders: 0) joins through a contact like any joiner, but keeps
-    its stage instead of taking the bottleneck stage. Everything else is NodeCore's.
-    Remove once NodeCore.on_welcome honours a requested stage."""
+    """NodeCore as the runtime runs it: a node whose stage is fixed by its operator (`--stage K`;
+    data holders: 0) joins through a contact like any joiner but keeps its stage
+    (`choose_join_stage`), the initial-start hold (`_resume`), and one stop-gap marked below."""
 
     fixed_stage: int | None = None
+    start_members: int = 0  # runtime.start_members: the initial swarm's size (leader only)
 
-    def on_member_up(self, sender: NodeId, msg: Any, now: float) -> list[Any]:
-        # Workaround (see the report): a joiner activated mid-iteration gets Commit/GradShare
-        # without having seen IterStart, whose handler creates these fields.
-        for name, value in (("shares", {}), ("commit", None), ("have_round", -1), ("reported", False)):
-            if not hasattr(self, name):
-                setattr(self, name, value)
-        return super().on_member_up(sender, msg, now)
+    def _resume(self, now: float) -> list[Any]:
+        # A fresh swarm (nothing trained yet) stays paused until every initial node is a member,
+        # so all of them train from iteration 0 (equivalence with the reference trainer).
+        fresh = self.version == 0 and getattr(self, "L_lost_from", 0) <= 0
+        if fresh and len(self.directory) < self.start_members:
+            return []
+        return list(super()._resume(now))
 
-    def on_heartbeat_timer(self, now: float) -> list[Any]:
-        # Workaround (see the report): leader_init puts the leader itself into `last_hb`, and a
-        # leader never heartbeats itself, so it would evict itself after evict_after_s.
-        hb = getattr(self, "last_hb", None)
-        if hb is not None and self.me.id in hb:
-            hb[self.me.id] = now
-        return super().on_heartbeat_timer(now)
+    def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Any]:
+        # Workaround (reported): members activated between a joiner's Welcome and its own
+        # activation were announced before the joiner was a member, so it never heard of them
+        # (e.g. a data holder that never learns the relay it should route to). Re-announce all.
+        out = list(super()._activate(pid, info, now))
+        out += [self.send(pid, MemberUp(peer=to_tuple(self.directory[q])))
+                for q in sorted(self.directory) if q not in (pid, self.me.id)]
+        return out
 
-    def on_welcome(self, sender: NodeId, msg: Welcome, now: float) -> list[Any]:
-        if self.fixed_stage is None or self.me.stage >= 0:
-            return super().on_welcome(sender, msg, now)
-        stage = self.fixed_stage
-        speed = getattr(self, "speed_flops_per_s", 1.0)
-        self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / speed)
-        set_me = getattr(self.router, "set_me", None)
-        if set_me is not None:
-            set_me(self.me)
-        self.directory = {p[0]: from_tuple(p) for p in msg.members}
-        self.directory[self.me.id] = self.me
-        self.leader = sender
-        self.last_leader_s = now
-        self.iteration = msg.iteration
-        out: list[Any] = [record("join_stage", node=self.me.id, stage=stage, utilisation=msg.utilisation[stage])]
-        for pid in sorted(self.directory):
-            out += self._peer_up(self.directory[pid], now)
-        return out + self.fetch_state(msg.checkpoint_iteration, now)
+    def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
+        if self.fixed_stage is not None:
+            return self.fixed_stage
+        return int(super().choose_join_stage(utilisation))
 
 
 def resolve_device(device: str) -> str:

@@ -152,6 +152,19 @@ class NodeRuntime:
             self._apply(self.host.core.on_leave(asyncio.get_running_loop().time()))
         asyncio.get_running_loop().create_task(self._leave_then_stop())
 
+    async def _finish_then_stop(self) -> None:
+        """Training is over for this node: let queued compute jobs (e.g. the last step) and
+        their messages complete, bounded, then exit."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.cfg.runtime.request_timeout_s):
+                await loop.run_in_executor(self.executor, lambda: None)  # FIFO: earlier jobs are done
+                await asyncio.sleep(0)  # let their completion callbacks run
+        except TimeoutError:
+            log.warning("finishing: compute jobs still running after %.0fs", self.cfg.runtime.request_timeout_s)
+        await self.outbox.flush(timeout_s=self.cfg.runtime.connect_timeout_s)
+        self.stop.set()
+
     async def _leave_then_stop(self) -> None:
         await self.outbox.flush(timeout_s=self.cfg.runtime.connect_timeout_s)
         self.stop.set()
@@ -193,8 +206,9 @@ class NodeRuntime:
             self._check_fault(event, fields)
             self.record(event, **fields)
             self._track(event, fields)
-            if event in drive.DONE_EVENTS:
-                self.stop.set()
+            if event in drive.DONE_EVENTS and self.state != "finishing":
+                self.state = "finishing"
+                asyncio.get_running_loop().create_task(self._finish_then_stop())
         elif drive.is_compute(eff):
             point, it, mb_index, stage = drive.fault_point(eff)
             self._check_fault(point, {"iteration": it, "index": mb_index, "stage": stage})
@@ -233,6 +247,7 @@ class NodeRuntime:
             self._apply(self.host.core.on_send_failed(to, msg, asyncio.get_running_loop().time()))
             return
         tensors = self.host.tensors_for(msg)
+        log.debug("send %s to=%s tensors=%d", msg.TYPE, to, len(tensors))
         loop = asyncio.get_running_loop()
         at = 0.0
         if self.wan is not None:
@@ -255,6 +270,7 @@ class NodeRuntime:
         if self.host is None or self.stop.is_set():
             return
         now = asyncio.get_running_loop().time()
+        log.debug("recv %s from=%s tensors=%d", msg.TYPE, sender, len(tensors))
         try:
             self.host.store_tensors(msg, tensors)
         except ValueError as exc:
@@ -325,6 +341,6 @@ class NodeRuntime:
 def run_node(cfg: Config, ident: NodeIdentity) -> int:
     """Run a node until it leaves or training ends; returns the exit code."""
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stdout, format=f"%(asctime)s %(levelname)s {ident.name} %(name)s: %(message)s"
+        level=os.environ.get("GWTF_LOG_LEVEL", "INFO").upper(), stream=sys.stdout, format=f"%(asctime)s %(levelname)s {ident.name} %(name)s: %(message)s"
     )
     return asyncio.run(NodeRuntime(cfg, ident).run())

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gwtf.config import Config
-from gwtf.runtime.audit import audit_ledger
+from gwtf.runtime.audit import audit_ledger, dropped_by
 from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status
 
@@ -87,14 +87,15 @@ class _Iteration:
 class SwarmMetrics:
     """Reads every node's records.jsonl incrementally and emits one row per completed iteration."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, microbatches: int = 0) -> None:
         self.out_dir = out_dir
+        self.microbatches = microbatches
         self._tails: dict[str, JsonlTail] = {}
         self._its: dict[int, _Iteration] = {}
         self.rows: list[dict[str, Any]] = []
         self.hashes: dict[tuple[int, int], dict[str, str]] = {}  # (iteration, stage) -> node -> hash
         self.records: dict[str, list[dict[str, Any]]] = {}
-        self.unix_start_s = time.time()  # reset by Swarm.start when training may begin
+        self.unix_start_s = 0.0  # wall clock of the leader's (last) start of iteration 0
         self._file = (out_dir / "metrics.jsonl").open("a", encoding="utf-8")
 
     def poll(self, procs: list[NodeProcess]) -> None:
@@ -112,6 +113,8 @@ class SwarmMetrics:
         if not isinstance(it, int):
             return
         slot = self._its.setdefault(it, _Iteration())
+        if event == "iter_start" and it == 0 and not self.rows:  # the leader starts training
+            self.unix_start_s = max(self.unix_start_s, float(row.get("unix_s", 0.0)))
         if event == "loss" and p.plan.role == "data-holder":
             slot.losses[(p.name, int(row["index"]))] = float(row["loss"])
             slot.tokens[(p.name, int(row["index"]))] = int(row.get("tokens", 0))
@@ -123,7 +126,7 @@ class SwarmMetrics:
         elif event in REDONE_EVENTS:
             slot.redone += 1
         elif event in DROPPED_EVENTS:
-            slot.dropped += max(0, int(row.get("started", 0)))
+            slot.dropped += dropped_by(row, self.microbatches)
 
     def complete(self, procs: list[NodeProcess], started_s: float, crashes: int, joins: int) -> list[dict[str, Any]]:
         """Emit rows for iterations every live data holder has stepped (in order)."""
@@ -134,13 +137,13 @@ class SwarmMetrics:
             live_dh = {p.name for p in procs if p.plan.role == "data-holder" and p.alive()}
             if slot is None or not slot.stepped or not live_dh <= slot.stepped:
                 return new
-            now = (slot.unix_s - self.unix_start_s) if slot.unix_s else time.monotonic() - started_s
+            now = (slot.unix_s - self.unix_start_s) if slot.unix_s and self.unix_start_s else time.monotonic() - started_s
             tokens = sum(slot.tokens.values())
             prev_t = self.rows[-1]["time_s"] if self.rows else 0.0
             row = {
                 "iteration": it, "loss": sum(slot.losses.values()) / max(1, len(slot.losses)),
                 "tokens": tokens, "time_s": round(now, 3),
-                "tokens_per_s": round(tokens / max(1e-9, now - prev_t), 1),
+                "tokens_per_s": round(tokens / max(1e-3, now - prev_t), 1),
                 "microbatches": len(slot.losses), "crashes": crashes, "joins": joins,
                 "microbatches_redone": slot.redone, "microbatches_dropped": slot.dropped,
             }
@@ -165,8 +168,10 @@ class Swarm:
         self.opts = opts
         self.say = say
         opts.out_dir.mkdir(parents=True, exist_ok=True)
-        self.group = ProcessGroup(opts.out_dir, opts.config_path, opts.overrides)
-        self.metrics = SwarmMetrics(opts.out_dir)
+        members = cfg.train.data_holders + opts.replicas * (cfg.model.stages - 1)
+        overrides = (*opts.overrides, f"runtime.start_members={members}")
+        self.group = ProcessGroup(opts.out_dir, opts.config_path, overrides)
+        self.metrics = SwarmMetrics(opts.out_dir, cfg.train.microbatches)
         self.rng = random.Random(cfg.train.seed + 7919)
         self.crashes = 0
         self.joins = 0
@@ -188,19 +193,16 @@ class Swarm:
             self.metrics.close()
 
     def start(self) -> None:
-        """Start the bootstrap data holder, then the other data holders through it (and wait until
-        they are members, so every data holder trains from iteration 0), then the relays."""
+        """Start the bootstrap data holder, then every other node through it; return once all are
+        members (the leader holds iteration 0 until then: runtime.start_members)."""
         plans = initial_plans(self.cfg, self.opts)
         ready_s = self.cfg.runtime.ready_timeout_s
         first = self.group.spawn(plans[0])
         self.group.wait_ready([first], ready_s)
-        dhs = [self.group.spawn(p, join=first.addr) for p in plans[1:] if p.role == "data-holder"]
-        self.group.wait_ready(dhs, ready_s)
-        self.wait_state(dhs, "active", ready_s)
-        relays = [self.group.spawn(p, join=first.addr) for p in plans if p.role == "relay"]
-        self.group.wait_ready(relays, ready_s)
+        rest = [self.group.spawn(p, join=first.addr) for p in plans[1:]]
+        self.group.wait_ready(rest, ready_s)
+        self.wait_state([first, *rest], "active", ready_s)
         self.started_s = time.monotonic()
-        self.metrics.unix_start_s = time.time()
         self.say(f"swarm of {len(plans)} nodes ready (bootstrap {first.name} at {first.addr})")
 
     def wait_state(self, procs: list[NodeProcess], state: str, timeout_s: float) -> None:
@@ -272,9 +274,12 @@ class Swarm:
                 self.say(f"churn: joiner {joiner.name} started")
 
     def run_until(self, iterations: int, timeout_s: float, poll_s: float = 0.05) -> bool:
-        """Poll (records, churn) until `iterations` are complete; False at the deadline."""
+        """Poll (records, churn) until `iterations` are complete and some replica of every stage
+        has logged its step of the last one; False at the deadline."""
         deadline = time.monotonic() + timeout_s
-        while len(self.metrics.rows) < iterations:
+        stages = range(self.cfg.model.stages)
+        while len(self.metrics.rows) < iterations or any(
+                (iterations - 1, k) not in self.metrics.hashes for k in stages):
             self.step()
             if time.monotonic() > deadline:
                 return False
@@ -288,7 +293,8 @@ class Swarm:
         """The exactly-once ledger of the completed iterations, from the node logs."""
         self.metrics.poll(self.group.procs)
         n = len(self.metrics.rows) if iterations is None else iterations
-        return audit_ledger(self.metrics.records, n, self.cfg.model.stages, self.metrics.hashes)
+        return audit_ledger(self.metrics.records, n, self.cfg.model.stages, self.metrics.hashes,
+                            self.cfg.train.microbatches)
 
     def finished(self) -> bool:
         return len(self.metrics.rows) >= self.cfg.train.iterations

@@ -1,0 +1,56 @@
+"""kill -9 at named protocol points: training continues and the exactly-once ledger holds.
+
+Four real node processes (data holders dh0, dh1; relays r1a, r1b of stage 1 of 2). One node
+carries a fault (`runtime.fault`, docs/runtime.md) that SIGKILLs it at a protocol point of
+iteration 2: a relay mid-forward, mid-backward, or during aggregation (before its gradient is
+shared), or a data holder mid-microbatch. The swarm must finish all iterations, the ledger
+checked from the node logs must show every expected microbatch counted exactly once at every
+stage with identical replica weights, the victim must have died by SIGKILL at that point, and
+the fixtures prove that no process outlives the test.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import pytest
+
+from gwtf.runtime.swarm import Swarm
+
+ITERATIONS = 6
+OVERRIDES = ("model.stages=2", f"train.iterations={ITERATIONS}")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("victim", "fault"),
+    [
+        ("r1a", "kill:forward:iter=2"),
+        ("r1a", "kill:backward:iter=2"),
+        ("r1a", "kill:aggregate:iter=2"),
+        ("dh1", "kill:loss:iter=2:mb=1"),
+    ],
+    ids=["relay-forward", "relay-backward", "relay-aggregation", "data-holder"],
+)
+def test_kill_at_protocol_point_is_survived_exactly_once(
+    make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]], victim: str, fault: str
+) -> None:
+    swarm = make_swarm(OVERRIDES, faults={victim: fault})
+    swarm.start()
+    totals = finish(swarm, ITERATIONS, 90.0)
+    proc = next(p for p in swarm.group.procs if p.name == victim)
+    assert proc.popen.poll() == -signal.SIGKILL, f"{victim} did not die by SIGKILL:\n{proc.log_tail()}"
+    fired = [r for r in swarm.metrics.records.get(victim, []) if r.get("event") == "fault"]
+    assert len(fired) == 1 and fired[0]["iteration"] == 2, fired
+    rows = swarm.metrics.rows
+    assert [r["iteration"] for r in rows[:ITERATIONS]] == list(range(ITERATIONS))
+    if victim.startswith("dh"):
+        assert totals["dropped"] >= 1, "the dead data holder's microbatches must be counted as dropped"
+        assert all(r["microbatches"] == 2 for r in rows[3:ITERATIONS]), "only dh0 trains after the crash"
+        assert totals["expected"] < 4 * ITERATIONS * 2
+    else:
+        assert totals["dropped"] == 0
+        assert totals["expected"] == 4 * ITERATIONS * 2, "every microbatch counted at both stages"
+        assert sum(r["microbatches_redone"] for r in rows) >= 0
