@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,9 @@ def test_ready_line_gives_address_and_close_kills_whole_process_group(tmp_path: 
         child_pids = [int((tmp_path / f"n{i}.child").read_text()) for i in range(2)]
         assert all(not _pid_gone(pid) for pid in child_pids)
     assert all(p.popen.returncode == -signal.SIGKILL for p in procs)
+    deadline = time.monotonic() + 10  # SIGKILL delivery to the grandchildren is asynchronous
+    while not all(_pid_gone(pid) for pid in child_pids) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling period of a bounded wait
     assert all(_pid_gone(pid) for pid in child_pids), "grandchildren survived the group kill"
 
 

@@ -217,10 +217,13 @@ class Host:
             out.records.append(("stepped", self._step(w, eff)))
         elif kind == "export_state":
             w.store[outs[0]] = torch.from_numpy(w.state_blob().copy())
+            out.records.append(("state_exported", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
         elif kind == "import_state":
             w.load_state_blob(tensor_to_numpy(w.store[ins[0]]))
+            out.records.append(("state_imported", {"stage": w.stage, "version": ins[0][2], "hash": w.weights_hash()}))
         elif kind == "load_checkpoint":
             self._load_checkpoint(w, outs[0])
+            out.records.append(("state_loaded", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
         else:
             raise ValueError(f"unknown compute kind {kind!r}")
         return out
@@ -245,6 +248,11 @@ class Host:
         tmp = folder / f".v{version}.{os.getpid()}.tmp"
         tmp.write_bytes(w.state_blob().tobytes())
         os.replace(tmp, folder / f"v{version}.safetensors")
+        every = self.cfg.protocol.checkpoint_every
+        for old in folder.glob("v*.safetensors"):  # keep the two newest: a rollback needs the last
+            stem = old.stem[1:]
+            if stem.isdigit() and int(stem) < version - every:
+                old.unlink(missing_ok=True)
 
     def _load_checkpoint(self, w: StageWorker, key: Sequence[Any]) -> None:
         version = int(key[2])
