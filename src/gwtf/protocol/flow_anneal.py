@@ -321,6 +321,7 @@ class FlowAnneal(FlowCore):
         """A peer data holder's route becomes mine: name it mine and rename it downstream."""
         fid = self._new_flow_id()
         e = FlowEntry(origin=self.me.id, flow_id=fid, prev=prev, next=nxt, since_s=self.now)
+        e.renamed_from = (origin, flow_id)
         # estimate until the last relay reports: the peer's closing edge replaced by mine
         e.down_next_s = down_next_s + up_prev_s + self.link_s(prev)
         e.down_s = self.link_s(nxt) + e.down_next_s

@@ -58,6 +58,7 @@ class FlowEntry:
     since_s: float = 0.0  # last change of prev / next
     requested_s: float = 0.0
     check_fails: int = 0
+    renamed_from: tuple[NodeId, int] | None = None  # data holder: the name it had before I adopted it
 
     @property
     def key(self) -> FlowKey:

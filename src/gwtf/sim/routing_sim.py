@@ -170,15 +170,31 @@ class RoutingSim:
                     continue
                 route, prev, node = [dh], dh, e.next
                 for _ in range(1, stages):
-                    f = None if node in self.dead else self.agents[node].flows.get(key)
+                    node, f = self._holder(node, key)
+                    if f is None and e.renamed_from is not None:  # the rename has not got here yet
+                        node, f = self._holder(node, e.renamed_from)
+                        prev = e.renamed_from[0] if prev == dh else prev
                     if f is None or f.pending or f.prev != prev or f.next is None:
                         break
                     route.append(node)
                     prev, node = node, f.next
                 else:
-                    if node == dh:
+                    if node == dh or (e.renamed_from is not None and node == e.renamed_from[0]):
                         out.append(tuple(route))
         return out
+
+    def _holder(self, node: NodeId, key: tuple[NodeId, int]) -> tuple[NodeId, Any]:
+        """The node that holds flow `key` now, following hand-over tombstones (a switch notice
+        may still be on its way to the flow's prev)."""
+        for _ in range(3):
+            if node in self.dead:
+                return node, None
+            agent = self.agents[node]
+            f = agent.flows.get(key)
+            if f is not None or key not in agent.tombstones:
+                return node, f
+            node = agent.tombstones[key][0]
+        return node, None
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a live agent holds more flows than its capacity."""
