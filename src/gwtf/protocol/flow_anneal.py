@@ -213,6 +213,7 @@ class FlowAnneal(FlowCore):
             mine = self._find(*busy.my_key) if busy.my_key is not None else None
             if mine is not None:
                 self._forget(mine)
+                self.tombstones[mine.key] = (sender, self.now + self.cfg.tombstone_s)
             return
         e = self._install(msg.origin, msg.flow_id, msg.prev, msg.next, msg.up_prev_s, msg.down_next_s)
         self._announce(e, old=sender)
@@ -292,6 +293,7 @@ class FlowAnneal(FlowCore):
         self._cool(sender)
         if self.is_dh:  # yield or exchange between data holders: routes change owner by renaming
             self._forget(e)
+            self.tombstones[e.key] = (sender, self.now + self.cfg.tombstone_s)
             if msg.kind == "exchange":
                 self._adopt(msg.my_origin, msg.my_flow_id, msg.my_prev, msg.my_next, msg.my_up_prev_s,
                             msg.my_down_next_s)
@@ -322,6 +324,7 @@ class FlowAnneal(FlowCore):
         fid = self._new_flow_id()
         e = FlowEntry(origin=self.me.id, flow_id=fid, prev=prev, next=nxt, since_s=self.now)
         e.renamed_from = (origin, flow_id)
+        self.aliases[(origin, flow_id)] = (e.key, self.now + self.cfg.tombstone_s)
         # estimate until the last relay reports: the peer's closing edge replaced by mine
         e.down_next_s = down_next_s + up_prev_s + self.link_s(prev)
         e.down_s = self.link_s(nxt) + e.down_next_s
