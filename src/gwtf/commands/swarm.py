@@ -108,6 +108,13 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
         if not swarm.finished():
             console.print(f"[red]timeout[/]: {len(rows)}/{cfg.train.iterations} iterations in {opts.timeout_s:.0f}s")
             return 1
+    problems, totals = swarm.audit(len(rows))
+    if problems:
+        console.print("[red]exactly-once ledger violated[/]:\n" + "\n".join(problems))
+        return 1
+    console.print(f"ledger: every microbatch counted exactly once at every stage in {len(rows)} iterations "
+                  f"({totals.get('expected', 0)} microbatch-stage contributions, {totals.get('dropped', 0)} "
+                  "dropped with crashed data holders); replicas identical after every step")
     first, last = rows[0]["loss"], rows[-1]["loss"]
     print(f"done: {len(rows)} iterations, loss {first:.4f} -> {last:.4f}, crashes {swarm.crashes}, "
           f"joins {swarm.joins}; outputs in {opts.out_dir} (metrics.jsonl, loss.png, nodes/)")

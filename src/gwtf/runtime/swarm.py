@@ -277,9 +277,7 @@ class Swarm:
         """Poll (records, churn) until `iterations` are complete and some replica of every stage
         has logged its step of the last one; False at the deadline."""
         deadline = time.monotonic() + timeout_s
-        stages = range(self.cfg.model.stages)
-        while len(self.metrics.rows) < iterations or any(
-                (iterations - 1, k) not in self.metrics.hashes for k in stages):
+        while not self.complete(iterations):
             self.step()
             if time.monotonic() > deadline:
                 return False
@@ -296,8 +294,13 @@ class Swarm:
         return audit_ledger(self.metrics.records, n, self.cfg.model.stages, self.metrics.hashes,
                             self.cfg.train.microbatches)
 
+    def complete(self, iterations: int) -> bool:
+        """`iterations` are done and some replica of every stage has logged the last step."""
+        return len(self.metrics.rows) >= iterations and all(
+            (iterations - 1, k) in self.metrics.hashes for k in range(self.cfg.model.stages))
+
     def finished(self) -> bool:
-        return len(self.metrics.rows) >= self.cfg.train.iterations
+        return self.complete(self.cfg.train.iterations)
 
     def table_rows(self) -> list[dict[str, Any]]:
         rows = []
