@@ -149,3 +149,100 @@ def test_status_is_atomic_and_jsonl_tail_skips_torn_lines(tmp_path: Path) -> Non
     log.close()
     assert json.loads((tmp_path / "r.jsonl").read_text().splitlines()[0])["event"] == "a"
     assert os.path.getsize(tmp_path / "r.jsonl") > 0
+
+
+def test_wan_model_delays_by_latency_plus_serialised_bytes() -> None:
+    from gwtf.flow.network import load_network
+    from gwtf.runtime.clock import WanModel
+
+    net = load_network("geo10")
+    wan = WanModel(net)
+    lat, bw = net.latency_s("Oregon", "Tokyo"), net.bandwidth_bytes_per_s("Oregon", "Tokyo")
+    first = wan.deliver_at(100.0, "Oregon", "Tokyo", 1_000_000)
+    assert first == pytest.approx(100.0 + 1_000_000 / bw + lat)
+    second = wan.deliver_at(100.0, "Oregon", "Tokyo", 1_000_000)  # queued behind the first on the link
+    assert second == pytest.approx(100.0 + 2_000_000 / bw + lat)
+    assert wan.deliver_at(100.0, "Tokyo", "Oregon", 0) == pytest.approx(100.0 + net.latency_s("Tokyo", "Oregon"))
+    assert wan.deliver_at(5.0, "Mars", "Tokyo", 10) == 5.0
+    with pytest.raises(ValueError, match="Mars"):
+        wan.check_region("Mars")
+
+
+def test_timers_replace_and_outbox_keeps_per_peer_order_and_reports_failures() -> None:
+    import asyncio
+
+    from gwtf.runtime.clock import Outbox, TimerTable
+
+    async def scenario() -> tuple[list[object], list[tuple[str, object]], list[tuple[str, object]]]:
+        loop = asyncio.get_running_loop()
+        fired: list[object] = []
+        done = loop.create_future()
+        timers = TimerTable(loop, lambda key: (fired.append(key), done.set_result(None) if key == "end" else None))
+        now = loop.time()
+        timers.set("a", now + 0.05)
+        timers.set("a", now + 0.01)  # replaces
+        timers.set("b", now + 0.02)
+        timers.cancel("b")
+        timers.set("end", now + 0.03)
+        sent: list[tuple[str, object]] = []
+        failed: list[tuple[str, object]] = []
+
+        async def send(addr: str, msg: object, tensors: list[object]) -> None:
+            if addr == "dead":
+                raise ConnectionError("refused")
+            await asyncio.sleep(0.001 if msg == 1 else 0)
+            sent.append((addr, msg))
+
+        box = Outbox(send, lambda addr, msg, exc: failed.append((addr, msg)), loop)
+        for i in range(5):
+            box.put("p", i, [], deliver_at=now + (0.02 if i == 0 else 0.0))
+        box.put("dead", "x", [])
+        async with asyncio.timeout(5):
+            await done
+            await box.flush(timeout_s=5)
+        await box.close()
+        return fired, sent, failed
+
+    fired, sent, failed = asyncio.run(scenario())
+    assert fired == ["a", "end"]
+    assert sent == [("p", i) for i in range(5)], "a held-back first message must not be overtaken"
+    assert failed == [("dead", "x")]
+
+
+def test_render_table_shows_every_node_and_state() -> None:
+    from rich.console import Console
+
+    from gwtf.runtime.status import render_table
+
+    console = Console(record=True, width=160)
+    console.print(render_table([
+        {"name": "dh0", "role": "data-holder", "stage": 0, "region": "local", "state": "active", "iteration": 3,
+         "in_flight": 2, "last_loss": 4.25, "tokens_per_s": 1234.5, "crashes_seen": 1, "joins_seen": 0},
+        {"name": "r1a", "role": "relay", "stage": None, "state": "crashed"},
+    ], "swarm"))
+    text = console.export_text()
+    for part in ("dh0", "data-holder", "4.2500", "1234", "1/0", "r1a", "crashed"):
+        assert part in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stage", "9"], "--stage 9 is outside 0..2"),
+        (["--set", 'runtime.fault="explode"'], "runtime.fault 'explode'"),
+        (["--wan", "geo10", "--region", "Atlantis"], "--region 'Atlantis' is not in network geo10"),
+        (["--join", "127.0.0.1:1"], "cannot reach join contact 127.0.0.1:1"),
+    ],
+)
+def test_node_command_user_errors_are_one_line_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    import subprocess
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "swarm-test.toml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gwtf", "node", "--out", str(tmp_path), "--config", str(config), *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "GWTF_SWARM_SECRET": "x"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("gwtf: error:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr

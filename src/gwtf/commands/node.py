@@ -47,8 +47,10 @@ def _stage(text: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f'runtime.wan="{args.wan}"'] if args.wan else [])
     cfg = load_config(args.config, overrides)
-    from gwtf.runtime.node import NodeIdentity, run_node  # torch/asyncio only once we really run
+    from gwtf.runtime.chaos import parse_fault
     from gwtf.runtime.transport import parse_addr
+
+    parse_fault(cfg.runtime.fault)  # a malformed fault spec is a user error before anything starts
 
     for flag, addr in (("--listen", args.listen.replace(":0", ":1") if args.listen.endswith(":0") else args.listen),
                        ("--join", args.join)):
@@ -71,14 +73,16 @@ def run(args: argparse.Namespace) -> int:
         shard = int(digits[-1]) if digits else 0
     if shard is not None and not 0 <= shard < cfg.train.data_holders:
         raise UserError(f"--shard {shard} is outside 0..{cfg.train.data_holders - 1} (train.data_holders)")
-    ident = NodeIdentity(
-        name=name, role=args.role, stage=stage, region=args.region, shard=shard, listen=args.listen,
-        join=args.join, device=args.device, out_dir=Path(args.out),
-    )
     if cfg.runtime.wan:
         from gwtf.flow.network import load_network
 
         net = load_network(cfg.runtime.wan)
         if args.region not in net.regions:
             raise UserError(f"--region {args.region!r} is not in network {cfg.runtime.wan} ({', '.join(net.regions)})")
+    from gwtf.runtime.node import NodeIdentity, run_node  # torch only once we really run
+
+    ident = NodeIdentity(
+        name=name, role=args.role, stage=stage, region=args.region, shard=shard, listen=args.listen,
+        join=args.join, device=args.device, out_dir=Path(args.out),
+    )
     return run_node(cfg, ident)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gwtf.config import Config
+from gwtf.errors import UserError
 from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer
 from gwtf.runtime import drive
 from gwtf.runtime.auth import load_secret
@@ -137,7 +138,7 @@ class NodeRuntime:
             async with asyncio.timeout(self.cfg.runtime.connect_timeout_s * 3):
                 conn = await self.transport._connection(self.ident.join)  # noqa: SLF001 (see report)
         except (OSError, TimeoutError, ValueError) as exc:
-            raise SystemExit(f"gwtf: error: cannot reach join contact {self.ident.join}: {exc}") from None
+            raise UserError(f"cannot reach join contact {self.ident.join}: {exc or type(exc).__name__}") from None
         return conn.peer_id
 
     def _on_signal(self) -> None:
