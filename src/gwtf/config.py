@@ -136,7 +136,7 @@ class FlowConfig:
     anneal_tournament: int = 3  # peers sampled per move; the one showing the dearest route is asked
     cooldown_ticks: int = 5  # a same-stage peer just interacted with is left alone this long
     stable_s: float = 2.0  # a flow changed more recently than this is not offered for moves
-    check_every_ticks: int = 30  # consistency check of every flow with its neighbours
+    check_every_ticks: int = 15  # consistency check of every flow with its neighbours
     tombstone_s: float = 30.0  # how long a node forwards notices about a flow it handed over
 
     def __post_init__(self) -> None:
