@@ -340,7 +340,6 @@ class FlowAgent(FlowAnneal):
             if stone is not None and msg.ttl > 0:
                 self._send(stone[0], FlowSwitch(*_switch_fields(msg), ttl=msg.ttl - 1))
             return
-        e.check_fails = 0
         if msg.side == "prev" and e.prev in (msg.old, msg.new):
             e.prev = msg.new
             e.since_s = self.now

@@ -77,11 +77,13 @@ class FlowAnneal(FlowCore):
         self.temperature_s = max(self.temperature_s, self.cfg.anneal_reheat * self.cfg.anneal_t0_s)
 
     def _movable(self) -> list[FlowEntry]:
-        """Flows this node may offer or trade: established, settled, not in another move."""
+        """Flows this node may offer or trade: established, settled, not in another move, and not
+        under suspicion (a failed consistency check: moving it would reset the evidence)."""
         horizon = self.now - self.cfg.stable_s
         return [
             e for e in self.flows.values()
-            if not (e.pending or e.locked or e.repairing) and e.next is not None and e.since_s <= horizon
+            if not (e.pending or e.locked or e.repairing or e.check_fails)
+            and e.next is not None and e.since_s <= horizon
         ]
 
     def _spare(self) -> int:
