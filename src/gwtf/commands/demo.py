@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from gwtf.cli import add_config_arguments
-from gwtf.config import load_config
+from gwtf.config import Config, load_config
 
 __all__ = ["DEMO_TOML", "add_arguments", "run"]
 
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.iterations is not None:
         overrides.append(f"train.iterations={args.iterations}")
     config_path = args.config or str(base)
-    cfg = load_config(config_path, overrides)
+    cfg: Config = load_config(config_path, overrides)
     opts = SwarmOptions(out_dir=out, replicas=2, churn=args.churn, timeout_s=args.timeout_s,
                         config_path=config_path, overrides=tuple(overrides))
     code = run_swarm(cfg, opts, title="gwtf demo")

@@ -13,7 +13,7 @@ import secrets
 from pathlib import Path
 
 from gwtf.cli import add_config_arguments
-from gwtf.config import load_config
+from gwtf.config import Config, load_config
 from gwtf.errors import UserError
 
 __all__ = ["add_arguments", "run"]
@@ -46,7 +46,7 @@ def _stage(text: str) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f'runtime.wan="{args.wan}"'] if args.wan else [])
-    cfg = load_config(args.config, overrides)
+    cfg: Config = load_config(args.config, overrides)
     from gwtf.runtime.chaos import parse_fault
     from gwtf.runtime.transport import parse_addr
 

@@ -47,7 +47,7 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
 
         overrides.append(f'runtime.wan="{args.wan}"')
         regions = load_network(args.wan).regions
-    cfg = load_config(args.config, overrides)
+    cfg: Config = load_config(args.config, overrides)
     if args.replicas < 1:
         raise UserError("--replicas must be >= 1")
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations

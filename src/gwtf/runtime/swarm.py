@@ -130,7 +130,7 @@ class SwarmMetrics:
 
     def complete(self, procs: list[NodeProcess], started_s: float, crashes: int, joins: int) -> list[dict[str, Any]]:
         """Emit rows for iterations every live data holder has stepped (in order)."""
-        new = []
+        new: list[dict[str, Any]] = []
         while True:
             it = len(self.rows)
             slot = self._its.get(it)
