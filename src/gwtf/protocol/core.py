@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from gwtf.config import ProtocolConfig
+from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
 from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
@@ -36,7 +36,7 @@ from gwtf.protocol.training import TrainingMixin
 __all__ = ["NodeCore", "Policy", "TrainParams", "make_router"]
 
 HANDLERS: dict[str, str] = {
-    "train.fwd": "on_forward", "train.passed": "on_passed", "train.bwd": "on_backward",
+    "train.fwd": "on_forward", "train.got": "on_got", "train.passed": "on_passed", "train.bwd": "on_backward",
     "train.back": "on_backack", "train.redo": "on_redo", "train.redoack": "on_redoack",
     "train.gget": "on_gradrequest",
     "mem.hb": "on_heartbeat", "mem.hback": "on_heartbeat_ack", "mem.up": "on_member_up",
@@ -55,14 +55,13 @@ RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStar
 LinkPrior = Callable[[PeerInfo, PeerInfo], LinkEstimate]
 
 
-def make_router(name: str, me: PeerInfo, train: TrainParams) -> Router:
-    """The router `protocol.router` names ("greedy" now; "flow" once gwtf.protocol.flow lands)."""
+def make_router(name: str, me: PeerInfo, train: TrainParams, rng: random.Random,
+                flow_cfg: FlowConfig | None = None) -> Router:
+    """The router `protocol.router` names: "greedy" (`simple_router`) or "flow" (gwtf's FlowAgent)."""
     if name == "flow":
-        try:
-            from gwtf.protocol.flow import FlowAgent  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:  # pragma: no cover - depends on another part landing
-            return GreedyRouter(me, train.stages, train.activation_bytes)
-        return FlowAgent(me, train.stages, train.activation_bytes)  # type: ignore[no-any-return]
+        from gwtf.protocol.flow import FlowAgent
+
+        return FlowAgent(me, train.stages, train.activation_bytes, flow_cfg or FlowConfig(), rng)
     return GreedyRouter(me, train.stages, train.activation_bytes)
 
 
@@ -71,10 +70,16 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
 
     def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
                  router: Router | None = None, policy: Policy | None = None,
-                 link_prior: LinkPrior | None = None) -> None:
-        CoreState.__init__(self, me, cfg, train, rng, router or make_router(cfg.router, me, train),
-                           policy or Policy())
+                 link_prior: LinkPrior | None = None,
+                 router_factory: Callable[[PeerInfo], Router] | None = None) -> None:
+        """`router_factory` (optional) builds a fresh router when a joiner picks its stage;
+        without it a router's optional `set_me(me)` is called instead."""
+        if router is None:
+            router = router_factory(me) if router_factory is not None else \
+                make_router(cfg.router, me, train, random.Random(rng.getrandbits(64)))
+        CoreState.__init__(self, me, cfg, train, rng, router, policy or Policy())
         self.link_prior = link_prior
+        self.router_factory = router_factory
         self._resends: dict[int, tuple[NodeId, Message]] = {}
         self._resend_seq = 0
 

@@ -55,7 +55,7 @@ class Policy:
     rebalance_every: int = 0
 
 
-Phase = Literal["fwd", "out", "passed", "parked", "gradwait", "bwd", "done"]
+Phase = Literal["fwd", "out", "got", "passed", "parked", "gradwait", "bwd", "done"]
 
 
 @dataclass(slots=True)
@@ -77,7 +77,8 @@ class Leg:
     next: NodeId = ""
     excl: set[NodeId] = field(default_factory=set)
     sent_at: float = 0.0
-    arrived_at: float = 0.0
+    sent_expect_s: float = 0.0
+    sent_wait_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -86,12 +87,14 @@ class Origin:
 
     mb: MbId
     out_key: TensorKey
-    phase: str = "embed"  # embed|out|passed|parked|loss|backward|embed_bwd|done
+    phase: str = "embed"  # embed|out|got|passed|parked|loss|backward|gradwait|embed_bwd|done
     next: NodeId = ""
     flow_id: int = NONE
     excl: set[NodeId] = field(default_factory=set)
     started_at: float = 0.0
     sent_at: float = 0.0
+    sent_expect_s: float = 0.0
+    sent_wait_s: float = 0.0
     until: int = NONE
     holder: NodeId = ""
     agg: bool = False
@@ -109,7 +112,10 @@ class GradOut:
     pos: int  # position of this node on the cycle (S for the data holder's return)
     key: TensorKey
     sent_at: float
+    sent_expect_s: float = 0.0
+    sent_wait_s: float = 0.0
     redo_start: int = NONE  # >= 1 while a Redo(start) is out
+    got: bool = False  # the receiver acknowledged receipt
 
 
 class CoreState:
@@ -131,7 +137,6 @@ class CoreState:
         self.directory: dict[NodeId, PeerInfo] = {}
         self.links: dict[NodeId, LinkEstimate] = {}
         self.suspects: set[NodeId] = set()
-        self.ack_ema_s: dict[NodeId, float] = {}
         self.leader: NodeId = ""
         self._job_seq = 0
         self.jobs: dict[int, tuple[str, Any]] = {}
@@ -144,6 +149,8 @@ class CoreState:
         self.gouts: dict[MbId, GradOut] = {}
         self.pending_fwd: list[tuple[NodeId, Message]] = []
         self.pending_acks: list[Send] = []
+        self.uplink_free_est_s = 0.0  # when our uplink will have sent what we queued on it
+        self.ack_excess_ema_s: dict[NodeId, float] = {}
         # per-iteration state of the data holder and of the aggregation barrier
         self.dh_started = 0
         self.dh_reported_done = False
@@ -177,26 +184,37 @@ class CoreState:
     def link(self, peer: NodeId) -> LinkEstimate:
         return self.links.get(peer, DEFAULT_LINK)
 
+    def reserve_uplink(self, peer: NodeId, size_bytes: int, now: float) -> tuple[float, float]:
+        """Our own model of our uplink (tensor sends go out one after another): returns
+        (expected receipt-ack delay, expected wait behind earlier sends), in seconds."""
+        link = self.link(peer)
+        start = max(now, self.uplink_free_est_s)
+        tx = size_bytes / link.bandwidth_bytes_per_s
+        self.uplink_free_est_s = start + tx
+        return start - now + tx + 2 * link.latency_s, start - now
+
+    def deadline_for(self, peer: NodeId, expected_s: float) -> float:
+        """Receipt-ack deadline: multiplier x (expected delay from the link EMAs and our uplink
+        backlog + EMA of how much acks from this peer were late before), at least the floor.
+        Work a peer does after receipt is watched through membership, not deadlines."""
+        excess = self.ack_excess_ema_s.get(peer, 0.0)
+        return max(self.cfg.deadline_floor_s, self.cfg.deadline_multiplier * (expected_s + excess))
+
     def ack_deadline_s(self, peer: NodeId, size_bytes: int) -> float:
-        """Adaptive deadline: multiplier x EMA of observed ack delays, never below the floor."""
-        ema = self.ack_ema_s.get(peer)
-        if ema is None:
-            link = self.link(peer)
-            info = self.directory.get(peer)
-            compute_s = info.compute_s if info is not None else 1.0
-            cap = info.capacity if info is not None else 1
-            ema = 2 * link.latency_s + size_bytes / link.bandwidth_bytes_per_s + compute_s * (1 + cap)
-        return max(self.cfg.deadline_floor_s, self.cfg.deadline_multiplier * ema)
+        """Deadline of a request whose answer carries `size_bytes` (no uplink reservation)."""
+        link = self.link(peer)
+        return self.deadline_for(peer, 2 * link.latency_s + size_bytes / link.bandwidth_bytes_per_s)
 
-    def observe_ack(self, peer: NodeId, delay_s: float) -> None:
+    def observe_ack(self, peer: NodeId, rtt_s: float, expected_s: float) -> None:
         a = self.cfg.ema_alpha
-        old = self.ack_ema_s.get(peer)
-        self.ack_ema_s[peer] = delay_s if old is None else (1 - a) * old + a * delay_s
+        excess = max(0.0, rtt_s - expected_s)
+        old = self.ack_excess_ema_s.get(peer)
+        self.ack_excess_ema_s[peer] = excess if old is None else (1 - a) * old + a * excess
 
-    def observe_transfer(self, peer: NodeId, size_bytes: int, rtt_s: float) -> list[Effect]:
-        """A Backward/BackAck round trip: update the bandwidth EMA; tell the router on change."""
+    def observe_transfer(self, peer: NodeId, size_bytes: int, rtt_s: float, wait_s: float) -> list[Effect]:
+        """A tensor's receipt round trip: update the bandwidth EMA; tell the router on change."""
         old = self.link(peer)
-        transfer_s = max(rtt_s - 2 * old.latency_s, 0.05 * rtt_s, 1e-9)
+        transfer_s = max(rtt_s - wait_s - 2 * old.latency_s, 0.05 * rtt_s, 1e-9)
         sample = size_bytes / transfer_s
         a = self.cfg.ema_alpha
         bw = (1 - a) * old.bandwidth_bytes_per_s + a * sample

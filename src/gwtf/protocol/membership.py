@@ -213,7 +213,7 @@ class MembershipMixin(CoreState):
     def on_member_down(self, sender: NodeId, msg: MemberDown, now: float) -> list[Effect]:
         if msg.node == self.me.id:
             return self.stop("evicted", now)
-        if msg.node == self.leader:  # a new leader announces the old one's eviction
+        if msg.node == self.leader and sender != msg.node:  # a new leader evicted the old one
             self.leader = sender
             self.last_leader_s = now
         return self.peer_down(msg.node, now)
@@ -245,15 +245,18 @@ class MembershipMixin(CoreState):
                 out += self.bwd_failed(mb, now)  # type: ignore[attr-defined]
             elif g.redo_start != NONE and g.path[g.redo_start - 1] == pid:
                 out += self.redo_failed(mb, now)  # type: ignore[attr-defined]
-        if pid == self.leader:  # only when told by a member other than a new leader
+        successor = False
+        if pid == self.leader:  # the leader left gracefully: the next data holder by id leads
             self.leader = self._choose_leader()
             self.last_leader_s = now
+            successor = self.leader == self.me.id
             out.append(record("leader_change", node=self.me.id, leader=self.leader))
-        return out + self.on_member_dead(pid, info.stage, now)
+        out += self.on_member_dead(pid, info.stage, now)
+        return out + (self.become_leader(now) if successor else [])
 
     def _recover_rec(self, rec: Leg | Origin, ref: int | tuple[str, int, int], pid: NodeId,
                      now: float) -> list[Effect]:
-        if rec.phase == "out" and rec.next == pid:
+        if rec.phase in ("out", "got") and rec.next == pid:
             return self.fwd_failed(ref, pid, now)  # type: ignore[attr-defined,no-any-return]
         if rec.phase == "gradwait" and rec.holder == pid:
             return self.chain_failed(ref, now)  # type: ignore[attr-defined,no-any-return]
@@ -321,15 +324,21 @@ class MembershipMixin(CoreState):
         util = msg.utilisation
         stage = self.choose_join_stage(util)
         self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / self.speed_flops_per_s)
-        set_me = getattr(self.router, "set_me", None)
-        if set_me is not None:
-            set_me(self.me)
+        factory = getattr(self, "router_factory", None)
+        if factory is not None:
+            self.router = factory(self.me)
+        else:
+            set_me = getattr(self.router, "set_me", None)
+            if set_me is not None:
+                set_me(self.me)
         self.directory = {p[0]: from_tuple(p) for p in msg.members}
         self.directory[self.me.id] = self.me
         self.leader = sender
         self.last_leader_s = now
         self.iteration = msg.iteration
         out: list[Effect] = [record("join_stage", node=self.me.id, stage=stage, utilisation=util[stage])]
+        if factory is not None:
+            out += list(self.router.on_start(now))
         for pid in sorted(self.directory):
             out += self._peer_up(self.directory[pid], now)
         return out + self.fetch_state(msg.checkpoint_iteration, now)

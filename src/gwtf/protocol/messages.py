@@ -110,13 +110,22 @@ class Forward(_Tensor):
 
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Got(Message):
+    """Immediate receipt ack of a Forward on the sender's leg `leg` (times the link)."""
+
+    TYPE = "train.got"
+    mb: MbId
+    leg: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Passed(Message):
     """Ack to the sender of leg `leg`: the activation is now the next stage's (or the DH's) job."""
 
     TYPE = "train.passed"
     mb: MbId
     leg: int
-    held_s: float = 0.0  # time the acking node held the activation (rtt - held = network time)
 
 
 @message
@@ -134,12 +143,13 @@ class Backward(_Tensor):
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackAck(Message):
-    """Ack of a Backward, sent once the receiver has back-propagated it and passed its own
-    gradient on (so a crash before that is the sender's to recover)."""
+    """Ack of a Backward: `final=False` on receipt (times the link), `final=True` once the
+    receiver has back-propagated it and passed its own gradient on (a crash before that is the
+    sender's to recover)."""
 
     TYPE = "train.back"
     mb: MbId
-    held_s: float = 0.0
+    final: bool = False
 
 
 @message

@@ -2,12 +2,13 @@
 
 Owns: what a data holder and a relay do with one microbatch (DESIGN.md 3 and 5):
 - forward: DH embeds and sends to a next hop from its router; relays compute and forward; the
-  last relay returns to the origin DH; every hop acks with `Passed` once the activation is the
-  next stage's job (adaptive deadline; no ack -> suspect the peer, reroute from the cached
-  activation: nothing upstream is redone);
+  last relay returns to the origin DH; every receiver acks receipt at once (`Got`, adaptive
+  deadline from the measured transfer time; none -> suspect the peer, reroute from the cached
+  activation: nothing upstream is redone) and tells its own sender `Passed` once its output
+  was received downstream; until then a crash of it (MemberDown) also triggers the reroute;
 - backward: along the same route in reverse; each node accumulates the microbatch exactly once
-  (`contributed`), caches the gradient it sent, and waits for a `BackAck` (sent by the receiver
-  once it has back-propagated and passed its own gradient on);
+  (`contributed`), caches the gradient it sent, and watches the receiver until its final
+  `BackAck` (sent once it has back-propagated and passed its own gradient on);
 - backward crash at stage k: the gradient holder (stage k+1 or the DH) walks upstream with
   `Redo` to the nearest live node, which sends its cached activation to another stage-k replica
   marked as a redo chain; the chain's last node fetches the holder's cached gradient
@@ -28,6 +29,7 @@ from gwtf.protocol.messages import (
     Backward,
     Compute,
     Forward,
+    Got,
     GradRequest,
     MbId,
     Passed,
@@ -54,7 +56,7 @@ class TrainingMixin(CoreState):
     def _dh_fill(self, now: float) -> list[Effect]:
         out: list[Effect] = []
         cap = max(1, min(self.me.capacity, self.train.microbatches))
-        inflight = sum(1 for o in self.origins.values() if o.phase != "done" and not o.incomplete)
+        inflight = sum(1 for o in self.origins.values() if not self._finished(o))
         while self.dh_started < self.train.microbatches and inflight < cap:
             mb = (self.me.id, self.iteration, self.dh_started)
             self.dh_started += 1
@@ -67,14 +69,16 @@ class TrainingMixin(CoreState):
             out.append(self.timer(("mb", mb), self._mb_deadline_s(), now))
         return out
 
+    def _finished(self, o: Origin) -> bool:
+        """Contributed at stage 0 (a later redo chain through it does not reopen it) or given up."""
+        return o.phase == "done" or o.incomplete or o.mb in self.contributed
+
     def _mb_deadline_s(self) -> float:
         return max(self.cfg.mb_deadline_floor_s, self.cfg.mb_deadline_multiplier * self.rt_ema_s)
 
     def _dh_progress(self, now: float) -> list[Effect]:
         out = self._dh_fill(now)
-        if self.dh_started >= self.train.microbatches and all(
-            o.phase == "done" or o.incomplete for o in self.origins.values()
-        ):
+        if self.dh_started >= self.train.microbatches and all(self._finished(o) for o in self.origins.values()):
             out += self.dh_done(now)
         return out
 
@@ -92,7 +96,7 @@ class TrainingMixin(CoreState):
             return mb[0], flow_id  # the last relay returns to the origin data holder
         banned = excl | self.suspects
         if stage == 0 and flow_id == NONE:
-            busy = {o.flow_id for o in self.origins.values() if o.phase in ("out", "passed")}
+            busy = {o.flow_id for o in self.origins.values() if o.phase in ("out", "got", "passed")}
             for slot in self.router.flow_slots(now):
                 if slot.flow_id not in busy and slot.next not in banned:
                     return slot.next, slot.flow_id
@@ -104,6 +108,10 @@ class TrainingMixin(CoreState):
         choice = self._pick_next(rec.mb, stage, prev, rec.flow_id if isinstance(rec, Leg) else NONE,
                                  rec.excl, now)
         ref = rec.n if isinstance(rec, Leg) else rec.mb
+        if choice is None and rec.excl:
+            rec.excl.clear()  # every replica failed once: let suspicion (which expires) decide
+            choice = self._pick_next(rec.mb, stage, prev, rec.flow_id if isinstance(rec, Leg) else NONE,
+                                     rec.excl, now)
         if choice is None:
             rec.phase = "parked"
             return [self.timer(("retry", ref), self.cfg.retry_period_s, now)]
@@ -112,7 +120,9 @@ class TrainingMixin(CoreState):
         size = self.train.activation_bytes
         msg = Forward(mb=rec.mb, flow_id=flow_id, path=path, legs=legs, key=rec.out_key, size_bytes=size,
                       until=rec.until, holder=rec.holder, agg=rec.agg)
-        return [self.send(nxt, msg), self.timer(("ackf", ref), self.ack_deadline_s(nxt, size), now)]
+        rec.sent_expect_s, rec.sent_wait_s = self.reserve_uplink(nxt, size, now)
+        deadline = self.deadline_for(nxt, rec.sent_expect_s)
+        return [self.send(nxt, msg), self.timer(("ackf", ref), deadline, now)]
 
     def _resend(self, rec: Leg | Origin, now: float) -> list[Effect]:
         if isinstance(rec, Leg):
@@ -120,15 +130,18 @@ class TrainingMixin(CoreState):
         return self._send_forward(rec, (self.me.id,), (rec.mb[2],), self.me.id, now)
 
     def fwd_failed(self, ref: int | MbId, peer: NodeId, now: float) -> list[Effect]:
-        """No Passed from `peer` in time (or it is down): suspect it, reroute from the cache."""
+        """No Got from `peer` in time, or it is down before Passed: suspect it, reroute from the cache."""
         rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
-        if rec is None or rec.phase != "out" or rec.next != peer:
+        if rec is None or rec.phase not in ("out", "got") or rec.next != peer:
             return []
         out: list[Effect] = [self.cancel(("ackf", ref)), record("reroute", node=self.me.id, mb=rec.mb,
                                                                   dead=peer)]
         if isinstance(rec, Leg) and self.me.stage == self.S - 1 and rec.until == NONE:
-            rec.phase = "done"  # the origin data holder is gone: its microbatch is dropped
-            return out
+            if peer not in self.directory:
+                rec.phase = "done"  # the origin data holder is gone: its microbatch is dropped
+                return out
+            rec.phase = "parked"  # the origin is alive but unreachable now: try again later
+            return out + [self.timer(("retry", ref), self.cfg.retry_period_s, now)]
         self.release(peer)
         rec.excl.add(peer)
         return out + self.suspect(peer, now) + self._resend(rec, now)
@@ -157,16 +170,17 @@ class TrainingMixin(CoreState):
         n = self.new_leg()
         leg = Leg(n=n, mb=msg.mb, sender=sender, path=msg.path, legs=msg.legs, in_key=msg.key,
                   out_key=self.mb_key("act", msg.mb, n), flow_id=msg.flow_id, until=msg.until,
-                  holder=msg.holder, agg=msg.agg, arrived_at=now)
+                  holder=msg.holder, agg=msg.agg)
         self.legs[n] = leg
         flops = FWD * self.train.stage_flops[self.me.stage]
-        return [Compute(self.job("forward", n), "forward", self.me.stage, msg.mb, flops, (msg.key,),
+        return [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1])),
+                Compute(self.job("forward", n), "forward", self.me.stage, msg.mb, flops, (msg.key,),
                         (leg.out_key,))]
 
     def _dh_return(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
-        out: list[Effect] = [self.send(sender, Passed(mb=msg.mb, leg=msg.legs[-1]))]
+        out: list[Effect] = [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1]))]
         o = self.origins.get(msg.mb)
-        if o is None or o.phase not in ("out", "passed", "parked"):
+        if o is None or o.phase not in ("out", "got", "passed", "parked"):
             return out + [record("dup_return", node=self.me.id, mb=msg.mb)]
         out.append(self.cancel(("ackf", o.mb)))
         self.release(o.next)
@@ -176,23 +190,30 @@ class TrainingMixin(CoreState):
         job = self.job("loss", (o.mb, msg.path, msg.legs, lgrad))
         return out + [Compute(job, "loss", 0, o.mb, flops, (msg.key,), (lgrad,))]
 
-    def on_passed(self, sender: NodeId, msg: Passed, now: float) -> list[Effect]:
+    def _rec(self, mb: MbId, leg: int) -> tuple[Leg | Origin | None, int | MbId]:
         if self.me.stage == 0:
-            rec: Leg | Origin | None = self.origins.get(msg.mb)
-            ref: int | MbId = msg.mb
-        else:
-            rec = self.legs.get(msg.leg)
-            ref = msg.leg
+            return self.origins.get(mb), mb
+        return self.legs.get(leg), leg
+
+    def on_got(self, sender: NodeId, msg: Got, now: float) -> list[Effect]:
+        """The next hop has our activation: time the link; tell our sender it is downstream."""
+        rec, ref = self._rec(msg.mb, msg.leg)
         if rec is None or rec.phase != "out" or rec.next != sender or rec.mb != msg.mb:
             return []
-        rec.phase = "passed"
+        rec.phase = "got"
         rtt = now - rec.sent_at
-        self.observe_ack(sender, rtt)
+        self.observe_ack(sender, rtt, rec.sent_expect_s)
         out: list[Effect] = [self.cancel(("ackf", ref))]
-        out += self.observe_transfer(sender, self.train.activation_bytes, rtt - msg.held_s)
+        out += self.observe_transfer(sender, self.train.activation_bytes, rtt, rec.sent_wait_s)
         if isinstance(rec, Leg):
-            out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1], held_s=now - rec.arrived_at)))
+            out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1])))
         return out
+
+    def on_passed(self, sender: NodeId, msg: Passed, now: float) -> list[Effect]:
+        rec, _ = self._rec(msg.mb, msg.leg)
+        if rec is not None and rec.phase in ("out", "got") and rec.next == sender and rec.mb == msg.mb:
+            rec.phase = "passed"
+        return []
 
     def on_backward(self, sender: NodeId, msg: Backward, now: float) -> list[Effect]:
         if msg.mb[1] != self.iteration:
@@ -201,19 +222,21 @@ class TrainingMixin(CoreState):
         out: list[Effect] = []
         if msg.mb in self.contributed:
             # end of an aggregation redo chain, or a duplicate: counted once already
-            return [self.send(sender, BackAck(mb=msg.mb))]
+            return [self.send(sender, BackAck(mb=msg.mb, final=True))]
         if pos == 0:
             o = self.origins.get(msg.mb)
             if o is None:
                 return []
+            out.append(self.send(sender, BackAck(mb=msg.mb)))
             o.phase = "embed_bwd"
             out.append(self.cancel(("gget", o.mb)))
             flops = EMBED_BWD * self.train.stage_flops[0]
-            job = self.job("embed_backward", (o.mb, sender, now))
+            job = self.job("embed_backward", (o.mb, sender))
             return out + [Compute(job, "embed_backward", 0, o.mb, flops, (msg.key,), ())]
         leg = self.legs.get(msg.legs[pos]) if len(msg.legs) == self.S else None
         if leg is None or leg.mb != msg.mb or leg.phase == "bwd":
             return [log("warning", "unknown_backward", mb=msg.mb, sender=sender)]
+        out.append(self.send(sender, BackAck(mb=msg.mb)))
         if leg.phase == "gradwait":
             out.append(self.cancel(("gget", leg.n)))
         elif leg.next:
@@ -221,7 +244,7 @@ class TrainingMixin(CoreState):
         leg.phase = "bwd"
         gkey = self.mb_key("grad", leg.mb, leg.n)
         flops = BWD * self.train.stage_flops[pos]
-        job = self.job("backward", (leg.n, msg.path, msg.legs, gkey, sender, now))
+        job = self.job("backward", (leg.n, msg.path, msg.legs, gkey, sender))
         return out + [Compute(job, "backward", pos, leg.mb, flops, (leg.in_key, leg.out_key, msg.key),
                               (gkey,))]
 
@@ -244,19 +267,19 @@ class TrainingMixin(CoreState):
             self.grad_cache[mb] = (lgrad, path, legs)
             return self._send_grad(mb, path, legs, self.S, lgrad, now)
         if kind == "backward":
-            n, path, legs, gkey, ack_to, got_s = ref  # type: ignore[misc]
+            n, path, legs, gkey, ack_to = ref  # type: ignore[misc]
             leg = self.legs.get(n)
             if leg is None or leg.mb in self.contributed:
                 return []
             leg.phase = "done"
-            ack = self.send(ack_to, BackAck(mb=leg.mb, held_s=now - got_s))
+            ack = self.send(ack_to, BackAck(mb=leg.mb, final=True))
             return self._contribute(leg.mb, n, now) + self._after_backward(leg, path, legs, gkey, now) + [ack]
         if kind == "embed_backward":
-            mb, ack_to, got_s = ref  # type: ignore[misc]
+            mb, ack_to = ref  # type: ignore[misc]
             o = self.origins.get(mb)
             if o is None or o.mb in self.contributed:
                 return []
-            self.pending_acks.append(self.send(ack_to, BackAck(mb=mb, held_s=now - got_s)))
+            self.pending_acks.append(self.send(ack_to, BackAck(mb=mb, final=True)))
             o.phase = "done"
             o.incomplete = False
             dt = now - o.started_at
@@ -293,19 +316,28 @@ class TrainingMixin(CoreState):
     def _send_grad(self, mb: MbId, path: tuple[NodeId, ...], legs: tuple[int, ...], pos: int,
                    key: TensorKey, now: float) -> list[Effect]:
         size = self.train.activation_bytes
-        self.gouts[mb] = GradOut(mb=mb, path=path, legs=legs, pos=pos, key=key, sent_at=now)
         to = path[pos - 1]
+        expect, wait = self.reserve_uplink(to, size, now)
+        self.gouts[mb] = GradOut(mb=mb, path=path, legs=legs, pos=pos, key=key, sent_at=now,
+                                 sent_expect_s=expect, sent_wait_s=wait)
+        deadline = self.deadline_for(to, expect)
         return [self.send(to, Backward(mb=mb, path=path, legs=legs, key=key, size_bytes=size)),
-                self.timer(("ackb", mb), self.ack_deadline_s(to, size), now)]
+                self.timer(("ackb", mb), deadline, now)]
 
     def on_backack(self, sender: NodeId, msg: BackAck, now: float) -> list[Effect]:
         g = self.gouts.get(msg.mb)
         if g is None or g.path[g.pos - 1] != sender or g.redo_start != NONE:
             return []
-        del self.gouts[msg.mb]
-        self.observe_ack(sender, now - g.sent_at)
+        if msg.final:
+            del self.gouts[msg.mb]
+            return [self.cancel(("ackb", msg.mb))]
+        if g.got:
+            return []
+        g.got = True
+        rtt = now - g.sent_at
+        self.observe_ack(sender, rtt, g.sent_expect_s)
         return [self.cancel(("ackb", msg.mb))] + self.observe_transfer(
-            sender, self.train.activation_bytes, now - g.sent_at - msg.held_s)
+            sender, self.train.activation_bytes, rtt, g.sent_wait_s)
 
     def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
         """The node we sent a gradient to is gone: ask the nearest live upstream node to redo."""
@@ -359,7 +391,7 @@ class TrainingMixin(CoreState):
         if rec is None:
             return [log("warning", "redo_without_cache", mb=msg.mb, start=msg.start)]
         out: list[Effect] = [self.send(sender, RedoAck(mb=msg.mb, start=msg.start))]
-        if rec.phase == "out":
+        if rec.phase in ("out", "got"):
             out.append(self.cancel(("ackf", rec.n if isinstance(rec, Leg) else rec.mb)))
         rec.until, rec.holder, rec.agg = msg.until, msg.holder, msg.agg
         if msg.start < len(msg.path):
@@ -401,7 +433,7 @@ class TrainingMixin(CoreState):
         if o is None or o.phase == "done" or o.incomplete or mb[1] != self.iteration:
             return []
         out: list[Effect] = [self.timer(("mb", mb), self._mb_deadline_s(), now)]
-        if o.phase in ("out", "passed", "parked"):
+        if o.phase in ("out", "got", "passed", "parked"):
             o.restarts += 1
             if o.next:
                 o.excl.add(o.next)

@@ -59,6 +59,8 @@ class InvariantChecker:
         elif event == "iteration_done":
             self._progress(now)
             self.stage_lost = False
+        elif event == "evict":
+            self.on_dead(f["node"], now)  # declared dead by the leader (a zombie counts as dead)
         elif event == "stage_lost":
             self.stage_lost = True
         elif event == "rollback":

@@ -37,6 +37,7 @@ class Metrics:
         self._applied: set[tuple[int, int, int]] = set()
         self.discarded_s = 0.0
         self.last_done = -1
+        self.started: dict[int, int] = {}
         self._decisions: dict[tuple[int, int, int], dict[str, Any]] = {}
 
     def bump(self, name: str, n: int = 1) -> None:
@@ -62,7 +63,9 @@ class Metrics:
         if event in ("reroute", "redo", "mb_restart", "reset", "abandoned", "evict", "join", "dup_return",
                      "mb_incomplete", "chain_failed", "leader_takeover", "stage_lost", "self_stop"):
             self.bump(event if event != "redo" else f"redo_{f.get('mode', '')}")
-        if event == "iter_start":
+        if event == "mb_start":
+            self.started[f["mb"][1]] = self.started.get(f["mb"][1], 0) + 1
+        elif event == "iter_start":
             self.iter_start_s[f["iteration"]] = now
         elif event == "decision":
             self._decisions[(f["iteration"], f["round"], f["stage"])] = f["contributions"]
@@ -71,6 +74,9 @@ class Metrics:
             if key not in self._applied:
                 self._applied.add(key)
                 per = self.mb_work.get(f["iteration"], {})
+                if f["stage"] == 0:  # started but not in the applied stage-0 update: dropped
+                    covered = sum(len(v) for v in self._decisions.get(key, {}).values())
+                    self.bump("microbatches_dropped", max(0, self.started.pop(f["iteration"], 0) - covered))
                 for rep, mbs in self._decisions.get(key, {}).items():
                     for mb in mbs:
                         self.useful_s += per.pop((rep, tuple(mb)), 0.0)
@@ -78,11 +84,11 @@ class Metrics:
             self._iteration_done(now, f)
         elif event == "dh_lost":
             self.bump("dh_lost")
-            if f.get("started", -1) > 0:
-                self.bump("microbatches_dropped", f["started"])
         elif event == "rollback":
             self.bump("rollbacks")
             self.bump("lost_iterations", f["lost_iterations"])
+            for it in sorted(i for i in self.started if i >= f["version"]):
+                self.bump("microbatches_dropped", self.started.pop(it))
             for it in sorted(i for i in self.mb_work if i >= f["version"]):
                 self.discarded_s += sum(self.mb_work.pop(it).values())
         elif event == "training_done":

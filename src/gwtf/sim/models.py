@@ -1,10 +1,11 @@
 """Network and compute cost models of the simulator.
 
 Owns:
-- `NetworkModel`: delivery time of a message from a to b = wait for a's uplink (a node's
-  outgoing bytes serialise on its uplink, FIFO) + bytes / bandwidth(a, b) + latency(a, b), from
-  the Instance's region tables, with link instability windows (latency x factor, bandwidth /
-  factor, or cut) applied at send time;
+- `NetworkModel`: delivery time of a tensor-carrying message from a to b = wait for a's uplink
+  (a node's outgoing tensor bytes serialise on its uplink, FIFO) + bytes / bandwidth(a, b) +
+  latency(a, b), from the Instance's region tables; control messages (no tensor) interleave at
+  packet level and skip the queue; link instability windows (latency x factor, bandwidth /
+  factor, or cut) apply at send time;
 - `ComputeModel`: one FIFO compute queue per node; duration = Compute.flops / node speed (speed
   = the stage's FLOPs per microbatch / the node's c_i) x seeded multiplicative jitter, or
   bytes / checkpoint bandwidth for state and checkpoint transfers.
@@ -77,6 +78,10 @@ class NetworkModel:
                 return None
             lat *= w.latency_factor
             bw /= w.bandwidth_divisor
+        if payload_bytes == 0:
+            # control messages interleave with bulk transfers at packet level: no FIFO wait
+            done = now + self.control_bytes / bw
+            return done, done + lat
         start = self.uplink_free_s.get(a, now)
         if start < now:
             start = now

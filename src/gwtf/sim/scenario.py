@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gwtf.config import ModelConfig, ProtocolConfig, from_dict, merge_overrides, read_toml
+from gwtf.config import FlowConfig, ModelConfig, ProtocolConfig, from_dict, merge_overrides, read_toml
 from gwtf.errors import UserError
 from gwtf.flow.generate import generate_instance
 from gwtf.flow.instance import Instance
@@ -150,6 +150,7 @@ class ScenarioConfig:
     links: LinksSection = field(default_factory=LinksSection)
     sim: SimSection = field(default_factory=SimSection)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)  # used when protocol.router = "flow"
     faults: tuple[Fault, ...] = ()
 
     def __post_init__(self) -> None:

@@ -45,7 +45,10 @@ class System:
 
 
 def _gwtf(sc: ScenarioConfig) -> System:
-    return System(Policy(), lambda me, train, s: make_router(s.protocol.router, me, train))
+    def router(me: PeerInfo, train: TrainParams, s: ScenarioConfig) -> Router:
+        return make_router(s.protocol.router, me, train, random.Random(f"router:{me.id}"), s.flow)
+
+    return System(Policy(), router)
 
 
 def _swarm(sc: ScenarioConfig) -> System:
@@ -124,9 +127,11 @@ class Simulator:
                 self.engine.schedule(f.time_s, self._fault, f, f.node)
 
     def _add_core(self, info: PeerInfo, speed: float) -> None:
-        router = self.system.router(info, self.train, self.sc)
+        def factory(me: PeerInfo) -> Router:
+            return self.system.router(me, self.train, self.sc)
+
         core = self.system.core(info, self.sc.protocol, self.train, random.Random(f"{self.seed}:{info.id}"),
-                        router, self.system.policy, self._prior)
+                        None, self.system.policy, self._prior, factory)
         self.cores[info.id] = core
         self.net.add_node(info.id, info.region)
         self.compute.add_node(info.id, speed)
