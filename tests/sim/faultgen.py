@@ -53,3 +53,29 @@ def _fault(rng: random.Random, nodes: list[str], stages: int) -> str:
     peer = rng.choice([n for n in nodes if n != node])
     return (f'{{event="{kind}", node="{node}", peer="{peer}", time_s={t:.4f}, '
             f'duration_s={rng.uniform(1.0, 30.0):.3f}}}')
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Long mode: `python tests/sim/faultgen.py --seeds N [--first K]`; exit 1 on any violation."""
+    import argparse
+
+    from gwtf.sim.scenario import load_scenario
+    from gwtf.sim.simulator import run_scenario
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seeds", type=int, default=1000)
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--system", default="gwtf")
+    args = parser.parse_args(argv)
+    bad = 0
+    for seed in range(args.first, args.first + args.seeds):
+        summary, _ = run_scenario(load_scenario(None, random_schedule(seed)), seed, args.system)
+        if summary["invariant_violations"]:
+            bad += 1
+            print(f"seed {seed}: {summary['violations'][:3]}")
+    print(f"{bad} of {args.seeds} schedules violated an invariant")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -94,6 +94,8 @@ class Simulator:
         self.triggers: list[tuple[Fault, list[int]]] = []
         self.events_out = 0
         self.pending_steps = 0
+        self.on_iteration: Callable[[int, float], None] | None = None  # progress hook (CLI)
+        self._iterations_done = 0
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -218,7 +220,11 @@ class Simulator:
         f = dict(rec.fields)
         self.checker.on_record(now, node, rec.event, f)
         self.metrics.on_record(now, node, rec.event, f)
-        if rec.event == "training_done":
+        if rec.event == "iteration_done":
+            self._iterations_done += 1
+            if self.on_iteration is not None:
+                self.on_iteration(self._iterations_done, now)
+        elif rec.event == "training_done":
             self.finished = True
         elif rec.event == "stage_lost":
             self.stage_lost = True
