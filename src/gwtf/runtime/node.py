@@ -18,6 +18,7 @@ Must not import sim.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -100,6 +101,9 @@ class NodeRuntime:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        # diagnostics: a node that is not serving within the READY deadline dumps every thread's
+        # stack into its log (and `kill -USR1 PID` does so at any time)
+        faulthandler.dump_traceback_later(self.cfg.runtime.ready_timeout_s, exit=False, file=sys.stdout)
         self.executor.submit(drive.init_torch_thread, self.cfg.runtime.torch_threads).result()
         transport = Transport("?", load_secret(self.cfg.runtime.secret_file or None), self._on_frame,
                               self.cfg.runtime)
@@ -123,6 +127,7 @@ class NodeRuntime:
                      "port": transport.port, "stage": self.host.stage, "role": self.ident.role,
                      "region": self.ident.region, "pid": os.getpid()}
             print("READY " + dumps(ready), flush=True)
+            faulthandler.cancel_dump_traceback_later()
             log.info("READY node=%s stage=%s role=%s", self.node_id, self.host.stage, self.ident.role)
             self._apply(self.host.start(loop.time(), contact))
             await self.stop.wait()
@@ -341,6 +346,7 @@ class NodeRuntime:
 
 def run_node(cfg: Config, ident: NodeIdentity) -> int:
     """Run a node until it leaves or training ends; returns the exit code."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stdout, all_threads=True)
     logging.basicConfig(
         level=os.environ.get("GWTF_LOG_LEVEL", "INFO").upper(), stream=sys.stdout, format=f"%(asctime)s %(levelname)s {ident.name} %(name)s: %(message)s"
     )
