@@ -184,6 +184,8 @@ class AggregationMixin(CoreState):
             return []
         self.commit = msg
         self.have_round = NONE
+        self.need = {n for n, k in msg.contributors if k > 0 and n != self.me.id}
+        self.need_count = len(self.need)
         out: list[Effect] = []
         if any(n == self.me.id and c > 0 for n, c in msg.contributors):
             key = ("pgrad", self.me.stage, msg.iteration, self.me.id, msg.round)
@@ -210,8 +212,8 @@ class AggregationMixin(CoreState):
         c = self.commit
         if c is None or self.have_round == c.round:
             return []
-        need = {n for n, k in c.contributors if k > 0 and n != self.me.id}
-        if not need <= self.shares.get(c.round, set()):
+        got = self.shares.get(c.round, set())
+        if len(got) < self.need_count or not self.need <= got:
             return []
         self.have_round = c.round
         return [self.send(self.leader, Have(iteration=c.iteration, round=c.round))]

@@ -160,6 +160,8 @@ class CoreState:
         self.commit: Any = None  # the leader's last Commit for this iteration
         self.shares: dict[int, set[NodeId]] = {}
         self.have_round = NONE
+        self.need: set[NodeId] = set()  # contributors whose gradient we still wait for
+        self.need_count = 0
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -182,7 +184,14 @@ class CoreState:
         return CancelTimer(key)
 
     def link(self, peer: NodeId) -> LinkEstimate:
-        return self.links.get(peer, DEFAULT_LINK)
+        """Our estimate of the link to `peer`: measured EMA, else the driver's prior, else a default."""
+        est = self.links.get(peer)
+        if est is None:
+            info = self.directory.get(peer)
+            prior = getattr(self, "link_prior", None)
+            est = prior(self.me, info) if prior is not None and info is not None else DEFAULT_LINK
+            self.links[peer] = est
+        return est
 
     def reserve_uplink(self, peer: NodeId, size_bytes: int, now: float) -> tuple[float, float]:
         """Our own model of our uplink (tensor sends go out one after another): returns

@@ -82,10 +82,12 @@ class MembershipMixin(CoreState):
         return out
 
     def _peer_up(self, p: PeerInfo, now: float) -> list[Effect]:
+        """Tell the router about a neighbour: previous, same or next stage (cyclic) only."""
         if p.id == self.me.id:
             return []
-        if p.id not in self.links and self.link_prior is not None:
-            self.links[p.id] = self.link_prior(self.me, p)
+        gap = (p.stage - self.me.stage) % self.S
+        if gap not in (0, 1, self.S - 1):
+            return []
         return list(self.router.on_peer_up(p, self.link(p.id), now))
 
     def _choose_leader(self) -> NodeId:

@@ -94,14 +94,21 @@ class Simulator:
         self.triggers: list[tuple[Fault, list[int]]] = []
         self.events_out = 0
         self.pending_steps = 0
+        self._priors: dict[tuple[str, str], LinkEstimate] = {}
         self.on_iteration: Callable[[int, float], None] | None = None  # progress hook (CLI)
         self._iterations_done = 0
 
     # ---- setup -------------------------------------------------------------------------
 
     def _prior(self, me: PeerInfo, peer: PeerInfo) -> LinkEstimate:
-        net = self.inst.network
-        return LinkEstimate(net.latency_s(me.region, peer.region), net.bandwidth_bytes_per_s(me.region, peer.region))
+        """What a node believes of a link before measuring it: the region table's value."""
+        key = (me.region, peer.region)
+        est = self._priors.get(key)
+        if est is None:
+            net = self.inst.network
+            est = LinkEstimate(net.latency_s(*key), net.bandwidth_bytes_per_s(*key))
+            self._priors[key] = est
+        return est
 
     def start(self) -> None:
         infos = [PeerInfo(id=n.id, stage=n.stage, region=n.region, compute_s=n.compute_s,
