@@ -180,40 +180,84 @@ class AggregationMixin(CoreState):
                 Compute(job, "reset_grad", self.me.stage, None, 0.0), self.send(sender, self._report())]
 
     def on_commit(self, sender: NodeId, msg: Commit, now: float) -> list[Effect]:
+        """Gather-reduce-broadcast: contributors send their gradient to the stage's reducer (the
+        lowest-id replica), which sums them in sorted replica order and sends the mean back, so
+        every replica applies the bit-identical gradient with O(replicas) messages."""
         if msg.iteration != self.iteration or not self.active:
             return []
         self.commit = msg
         self.have_round = NONE
-        self.need = {n for n, k in msg.contributors if k > 0 and n != self.me.id}
+        self.reducer = min(msg.replicas)
+        if self.reducer == self.me.id:
+            self.need = {n for n, k in msg.contributors if k > 0 and n != self.me.id}
+        else:
+            self.need = {self.reducer}  # the reduced gradient
         self.need_count = len(self.need)
         out: list[Effect] = []
         if any(n == self.me.id and c > 0 for n, c in msg.contributors):
             key = ("pgrad", self.me.stage, msg.iteration, self.me.id, msg.round)
             out.append(Compute(self.job("export_grad", (msg.round, key)), "export_grad", self.me.stage,
                                None, 0.0, (), (key,)))
-        return out + self._maybe_have(now)
+        else:
+            out += self._maybe_reduce(now) + self._maybe_have(now)
+        return out
+
+    def _rkey(self, c: Commit) -> tuple[object, ...]:
+        return ("rgrad", self.me.stage, c.iteration, self.reducer, c.round)
 
     def _share_grads(self, rnd: int, key: tuple[object, ...], now: float) -> list[Effect]:
         c = self.commit
         if c is None or c.round != rnd:
             return []
+        self.own_exported = rnd
+        if self.reducer == self.me.id:
+            return self._maybe_reduce(now)
         count = dict(c.contributors).get(self.me.id, 0)
         size = self.train.stage_grad_bytes[self.me.stage]
-        msg = GradShare(iteration=c.iteration, round=rnd, key=key, count=count, size_bytes=size)
-        return [self.send(r, msg) for r in c.replicas if r != self.me.id]
+        return [self.send(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
+                                                  size_bytes=size))]
 
     def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
         if msg.iteration != self.iteration:
             return []
         self.shares.setdefault(msg.round, set()).add(sender)
-        return self._maybe_have(now)
-
-    def _maybe_have(self, now: float) -> list[Effect]:
         c = self.commit
-        if c is None or self.have_round == c.round:
+        if c is None or c.round != msg.round:
+            return []
+        return self._maybe_reduce(now) if self.reducer == self.me.id else self._maybe_have(now)
+
+    def _maybe_reduce(self, now: float) -> list[Effect]:
+        c = self.commit
+        if c is None or self.reducer != self.me.id or self.have_round == c.round:
+            return []
+        mine = dict(c.contributors).get(self.me.id, 0)
+        if mine and self.own_exported != c.round:
             return []
         got = self.shares.get(c.round, set())
         if len(got) < self.need_count or not self.need <= got:
+            return []
+        keys = tuple(("pgrad", self.me.stage, c.iteration, n, c.round) for n, k in c.contributors if k > 0)
+        total = sum(k for _, k in c.contributors)
+        job = self.job("reduce", c.round)
+        self.have_round = NONE
+        return [Compute(job, "reduce", self.me.stage, None, 0.0, keys, (self._rkey(c),), count=total)]
+
+    def _reduced(self, rnd: int, now: float) -> list[Effect]:
+        c = self.commit
+        if c is None or c.round != rnd:
+            return []
+        size = self.train.stage_grad_bytes[self.me.stage]
+        msg = GradShare(iteration=c.iteration, round=rnd, key=self._rkey(c), count=sum(k for _, k in c.contributors),
+                        size_bytes=size)
+        out: list[Effect] = [self.send(r, msg) for r in c.replicas if r != self.me.id]
+        self.have_round = rnd
+        return out + [self.send(self.leader, Have(iteration=c.iteration, round=rnd))]
+
+    def _maybe_have(self, now: float) -> list[Effect]:
+        c = self.commit
+        if c is None or self.have_round == c.round or self.reducer == self.me.id:
+            return []
+        if self.reducer not in self.shares.get(c.round, set()):
             return []
         self.have_round = c.round
         return [self.send(self.leader, Have(iteration=c.iteration, round=c.round))]
@@ -224,18 +268,19 @@ class AggregationMixin(CoreState):
         if self.have_round != msg.round or self.commit is None:
             return [log("error", "step_without_gradients", iteration=msg.iteration, round=msg.round)]
         c = self.commit
-        keys = tuple(("pgrad", self.me.stage, c.iteration, n, c.round) for n, k in c.contributors if k > 0)
         self.version = msg.iteration + 1  # later computes run after this step (FIFO per node)
         self._clear_iteration()
         contributors = tuple(n for n, k in c.contributors if k > 0)
         job = self.job("step", (msg.iteration, c.round, contributors))
-        flops = 0.0
-        return [Compute(job, "step", self.me.stage, None, flops, keys, ()), FreeIteration(msg.iteration - 1)]
+        return [Compute(job, "step", self.me.stage, None, 0.0, (self._rkey(c),), ()),
+                FreeIteration(msg.iteration - 1)]
 
     def aggregation_compute_done(self, kind: str, ref: object, now: float) -> list[Effect]:
         if kind == "export_grad":
             rnd, key = ref  # type: ignore[misc]
             return self._share_grads(rnd, key, now)
+        if kind == "reduce":
+            return self._reduced(ref, now)  # type: ignore[arg-type]
         if kind == "step":
             it, rnd, contributors = ref  # type: ignore[misc]
             return [record("step", node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,

@@ -162,6 +162,8 @@ class CoreState:
         self.have_round = NONE
         self.need: set[NodeId] = set()  # contributors whose gradient we still wait for
         self.need_count = 0
+        self.reducer: NodeId = ""  # the stage replica that sums the gradients of the committed round
+        self.own_exported = NONE  # round whose own gradient export finished
 
     # -- helpers -----------------------------------------------------------------------------
 

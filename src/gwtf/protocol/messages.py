@@ -40,7 +40,9 @@ class Compute:
 
     kind: "embed" (DH: embedding forward), "forward", "loss" (DH: head fwd+bwd, writes the
     gradient w.r.t. the returned activation), "backward" (accumulates the stage's parameter
-    gradients), "embed_backward" (DH), "step" (optimizer step on the aggregated gradient),
+    gradients), "embed_backward" (DH), "export_grad" (accumulated gradient -> a key), "reduce"
+    (sum the input gradients in the given order, divide by `count`), "step" (optimizer step on
+    the reduced gradient),
     "reset_grad" (discard accumulated gradients), "export_state" / "import_state" (weights +
     optimizer state under a key), "load_checkpoint".
     """
@@ -53,6 +55,7 @@ class Compute:
     inputs: tuple[TensorKey, ...] = ()
     outputs: tuple[TensorKey, ...] = ()
     size_bytes: int = 0  # state/checkpoint transfers: bytes read or written
+    count: int = 0  # "reduce": the total microbatch count the summed gradient is divided by
 
 
 @dataclass(frozen=True, slots=True)
