@@ -315,5 +315,5 @@ class _Monitor:
         if flow != old_flow or abs(top - old_top) > 1e-3 * old_top:
             self.objective = (flow, top)
             self.objective_change_s = now
-        if self.reached_s is None and self.target_flow is not None and len(routes) >= self.target_flow:
+        if self.reached_s is None and self.target_flow is not None and flow >= self.target_flow:
             self.reached_s = now
