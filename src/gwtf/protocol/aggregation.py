@@ -249,9 +249,9 @@ class AggregationMixin(CoreState):
         size = self.train.stage_grad_bytes[self.me.stage]
         msg = GradShare(iteration=c.iteration, round=rnd, key=self._rkey(c), count=sum(k for _, k in c.contributors),
                         size_bytes=size)
-        out: list[Effect] = [self.send(r, msg) for r in c.replicas if r != self.me.id]
         self.have_round = rnd
-        return out + [self.send(self.leader, Have(iteration=c.iteration, round=rnd))]
+        out: list[Effect] = [self.send(self.leader, Have(iteration=c.iteration, round=rnd))]
+        return out + [self.send(r, msg) for r in c.replicas if r != self.me.id]
 
     def _maybe_have(self, now: float) -> list[Effect]:
         c = self.commit

@@ -57,6 +57,8 @@ class LeaderMixin(CoreState):
         self.L_pending: dict[Contrib, float] = {}
         self.L_waiting_joiners: set[NodeId] = set()
         self.L_lost_from = NONE
+        self.L_reducers: dict[int, NodeId] = {}
+        self.L_contributors: set[NodeId] = set()
         self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}  # type: ignore[misc]
         if recovering:
             return self._broadcast(Collect(iteration=self.L_t, leader=self.me.id), include_self=True)
@@ -184,14 +186,26 @@ class LeaderMixin(CoreState):
         self.L_haves = set()
         self.L_commit_set = set(self.directory)
         out: list[Effect] = []
+        self.L_reducers = {}
+        self.L_contributors = set()
         for stage, members in enumerate(self._stage_members()):
             contributors = tuple((p, len(contrib[p][1])) for p in members if contrib[p][1])
+            self.L_reducers[stage] = min(members)
+            self.L_contributors.update(p for p, _ in contributors)
             mbs = {p: tuple(sorted(contrib[p][1])) for p, _ in contributors}
             out.append(record("decision", iteration=self.L_t, round=self.L_round, stage=stage,
                               contributions=mbs, expected=tuple(sorted(self.L_expected.items()))))
             msg = Commit(iteration=self.L_t, round=self.L_round, contributors=contributors, replicas=tuple(members))
             out += [self.send(p, msg) for p in members]
         return out
+
+    def _commit_broken(self, pid: NodeId, stage: int) -> bool:
+        """A death during commit forces a new round only if it was the stage's reducer, or a
+        contributor whose gradient the reducer may not hold yet (its Have not received)."""
+        reducer = self.L_reducers.get(stage)
+        if pid == reducer:
+            return True
+        return pid in self.L_contributors and reducer not in self.L_haves
 
     def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
         if not self.is_leader or self.L_phase != "commit" or msg.round != self.L_round:
@@ -226,8 +240,8 @@ class LeaderMixin(CoreState):
             return out
         if any(not m for m in self._stage_members()):
             return out + self._pause(now)
-        if self.L_phase == "commit":
-            self.L_phase = "collect"  # a replica left mid-commit: agree again (new round)
+        if self.L_phase == "commit" and self._commit_broken(pid, stage):
+            self.L_phase = "collect"  # agree again (new round, new reducer)
         if self.L_phase == "recover":
             return out + self._recover_check(now)
         return out + self._check(now)

@@ -404,7 +404,8 @@ class GradShare(_Tensor):
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Have(Message):
-    """A replica holds every contributor's gradient of round `round`."""
+    """A replica holds the reduced gradient of round `round` (the reducer: it holds every
+    contributor's gradient, so contributors that die from now on no longer matter)."""
 
     TYPE = "agg.have"
     iteration: int
