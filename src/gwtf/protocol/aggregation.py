@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gwtf.protocol.base import NodeId, log
 from gwtf.protocol.ledger import NONE, CoreState, Effect
@@ -275,14 +276,14 @@ class AggregationMixin(CoreState):
         return [Compute(job, "step", self.me.stage, None, 0.0, (self._rkey(c),), ()),
                 FreeIteration(msg.iteration - 1)]
 
-    def aggregation_compute_done(self, kind: str, ref: object, now: float) -> list[Effect]:
+    def aggregation_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
         if kind == "export_grad":
-            rnd, key = ref  # type: ignore[misc]
+            rnd, key = ref
             return self._share_grads(rnd, key, now)
         if kind == "reduce":
-            return self._reduced(ref, now)  # type: ignore[arg-type]
+            return self._reduced(ref, now)
         if kind == "step":
-            it, rnd, contributors = ref  # type: ignore[misc]
+            it, rnd, contributors = ref
             return [record("step", node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,
                            version=it + 1, contributors=contributors), FreeIteration(it)]
         return []

@@ -19,6 +19,7 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from gwtf.protocol.base import NodeId, log
 from gwtf.protocol.ledger import NONE, CoreState, Effect, Leg, Origin
@@ -374,13 +375,13 @@ class MembershipMixin(CoreState):
         job = self.job("import_state", msg.version)
         return [Compute(job, "import_state", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
 
-    def membership_compute_done(self, kind: str, ref: object, now: float) -> list[Effect]:
+    def membership_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
         if kind == "export_state":
-            to, key, version = ref  # type: ignore[misc]
+            to, key, version = ref
             size = self.train.stage_state_bytes[self.me.stage]
             return [self.send(to, StateTransfer(stage=self.me.stage, version=version, key=key, size_bytes=size))]
         if kind in ("import_state", "load_checkpoint"):
-            self.version = int(ref)  # type: ignore[call-overload]
+            self.version = int(ref)
             if self.active:
                 return []
             return [self.send(self.leader, Ready(stage=self.me.stage, version=self.version, peer=to_tuple(self.me)))]

@@ -21,6 +21,8 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+from typing import Any
+
 from gwtf.protocol.base import NodeId, log
 from gwtf.protocol.ledger import CoreState, Effect, GradOut, Leg, Origin
 from gwtf.protocol.messages import (
@@ -250,16 +252,16 @@ class TrainingMixin(CoreState):
 
     # ---- compute completions ------------------------------------------------------------
 
-    def training_compute_done(self, kind: str, ref: object, now: float) -> list[Effect]:
+    def training_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
         if kind == "embed":
-            o = self.origins.get(ref)  # type: ignore[arg-type]
+            o = self.origins.get(ref)
             if o is None or o.phase != "embed":
                 return []
             return self._resend(o, now)
         if kind == "forward":
             return self._forward_done(ref, now)  # type: ignore[arg-type]
         if kind == "loss":
-            mb, path, legs, lgrad = ref  # type: ignore[misc]
+            mb, path, legs, lgrad = ref
             o = self.origins.get(mb)
             if o is None:
                 return []
@@ -267,7 +269,7 @@ class TrainingMixin(CoreState):
             self.grad_cache[mb] = (lgrad, path, legs)
             return self._send_grad(mb, path, legs, self.S, lgrad, now)
         if kind == "backward":
-            n, path, legs, gkey, ack_to = ref  # type: ignore[misc]
+            n, path, legs, gkey, ack_to = ref
             leg = self.legs.get(n)
             if leg is None or leg.mb in self.contributed:
                 return []
@@ -275,7 +277,7 @@ class TrainingMixin(CoreState):
             ack = self.send(ack_to, BackAck(mb=leg.mb, final=True))
             return self._contribute(leg.mb, n, now) + self._after_backward(leg, path, legs, gkey, now) + [ack]
         if kind == "embed_backward":
-            mb, ack_to = ref  # type: ignore[misc]
+            mb, ack_to = ref
             o = self.origins.get(mb)
             if o is None or o.mb in self.contributed:
                 return []
