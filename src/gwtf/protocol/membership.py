@@ -1,7 +1,8 @@
 """Membership part of NodeCore: directory, failure detection, leader choice, join and leave.
 
 Owns:
-- the directory (every member's PeerInfo) and the link priors/estimates the router sees;
+- the directory (data holders keep every member, relays the data holders and their
+  previous, same and next stage) and the link priors/estimates the router sees;
 - failure detection: every node heartbeats the leader (lowest-id live data holder); the leader
   declares a node dead after `evict_after_s` of silence and broadcasts `MemberDown`; nodes
   declare the leader dead the same way and fail over to the next data holder by id. Per-message
@@ -75,12 +76,19 @@ class MembershipMixin(CoreState):
             if known:
                 out.append(self.send(known[0].id, JoinRequest(peer=to_tuple(self.me))))
             return out
-        self.directory = {p.id: p for p in known}
+        self.directory = {p.id: p for p in known if self.keeps(p)}
         self.directory[self.me.id] = self.me
         for p in known:
             out += self._peer_up(p, now)
         self.leader = self._choose_leader()
         return out
+
+    def keeps(self, p: PeerInfo) -> bool:
+        """Whom this node keeps in its directory: a data holder (a leader candidate) keeps
+        everyone; a relay keeps the data holders and its previous, same and next stage."""
+        if self.me.stage == 0 or p.stage == 0 or p.id == self.me.id:
+            return True
+        return (p.stage - self.me.stage) % self.S in (0, 1, self.S - 1)
 
     def _peer_up(self, p: PeerInfo, now: float) -> list[Effect]:
         """Tell the router about a neighbour: previous, same or next stage (cyclic) only."""
@@ -277,7 +285,8 @@ class MembershipMixin(CoreState):
             self.active = True
             self.iteration = self.version
             return [record("activated", node=self.me.id, stage=self.me.stage, version=self.version)]
-        self.directory[p.id] = p
+        if self.keeps(p):
+            self.directory[p.id] = p
         return self._peer_up(p, now)
 
     def on_leave_notice(self, sender: NodeId, msg: LeaveNotice, now: float) -> list[Effect]:
@@ -334,7 +343,7 @@ class MembershipMixin(CoreState):
             set_me = getattr(self.router, "set_me", None)
             if set_me is not None:
                 set_me(self.me)
-        self.directory = {p[0]: from_tuple(p) for p in msg.members}
+        self.directory = {i.id: i for i in map(from_tuple, msg.members) if self.keeps(i)}
         self.directory[self.me.id] = self.me
         self.leader = sender
         self.last_leader_s = now
