@@ -246,3 +246,41 @@ def test_node_command_user_errors_are_one_line_exit_2(tmp_path: Path, args: list
     lines = [line for line in proc.stderr.splitlines() if line.startswith("gwtf: error:")]
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ledger_audit_flags_double_counting_missing_work_and_divergence() -> None:
+    from gwtf.runtime.audit import audit_ledger
+
+    def decision(stage: int, contributions: dict[str, list[list[object]]]) -> dict[str, object]:
+        return {"event": "decision", "iteration": 0, "round": 1, "stage": stage, "contributions": contributions,
+                "expected": [["dh0", [0, 1]]]}
+
+    def contribute(node: str, stage: int, idx: int, origin: str = "dh0") -> dict[str, object]:
+        return {"event": "contribute", "node": node, "stage": stage, "mb": [origin, 0, idx]}
+
+    good = {
+        "dh0": [decision(0, {"dh0": [["dh0", 0], ["dh0", 1]]}), decision(1, {"r1a": [["dh0", 0]], "r1b": [["dh0", 1]]}),
+                contribute("dh0", 0, 0), contribute("dh0", 0, 1)],
+        "r1a": [contribute("r1a", 1, 0)],
+        "r1b": [contribute("r1b", 1, 1)],
+    }
+    hashes = {(0, 0): {"dh0": "h0"}, (0, 1): {"r1a": "h1", "r1b": "h1"}}
+    assert audit_ledger(good, 1, 2, hashes, microbatches=2) == ([], {"expected": 4})
+
+    twice = {**good, "dh0": [good["dh0"][0], decision(1, {"r1a": [["dh0", 0], ["dh0", 1]], "r1b": [["dh0", 1]]}),
+                             *good["dh0"][2:]]}
+    problems, _ = audit_ledger(twice, 1, 2, hashes, microbatches=2)
+    assert any("counted twice [('dh0', 1)]" in p for p in problems)
+    assert any("r1a credited with unlogged" in p for p in problems)
+
+    missing = {**good, "dh0": [good["dh0"][0], decision(1, {"r1a": [["dh0", 0]]}), *good["dh0"][2:]]}
+    assert any("missing [('dh0', 1)]" in p for p in audit_ledger(missing, 1, 2, hashes)[0])
+
+    diverged = {**hashes, (0, 1): {"r1a": "h1", "r1b": "other"}}
+    assert any("replicas diverged" in p for p in audit_ledger(good, 1, 2, diverged)[0])
+
+    # a crashed data holder's microbatch may stay counted once at a relay, and is dropped
+    lost = {**good, "dh0": [*good["dh0"][:1], decision(1, {"r1a": [["dh0", 0], ["dh1", 0]], "r1b": [["dh0", 1]]}),
+                            *good["dh0"][2:], {"event": "dh_lost", "node": "dh1", "iteration": 0, "started": -1}],
+            "r1a": [contribute("r1a", 1, 0), contribute("r1a", 1, 0, origin="dh1")]}
+    assert audit_ledger(lost, 1, 2, hashes, microbatches=2) == ([], {"expected": 4, "dropped": 2})

@@ -88,15 +88,19 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
             console.print(str(exc), markup=False)
             raise UserError(f"swarm did not start: {str(exc).splitlines()[0]}") from None
         live_table = console.is_terminal
-        last_line = 0.0
+        last_line, last_row = 0.0, {"time_s": 0.0, "iteration": -1}
+        window_tokens = 0
         with Live(render_table(swarm.table_rows(), title), console=console, auto_refresh=False,
                   transient=False) if live_table else _NoLive() as live:
             while not swarm.finished() and time.monotonic() < deadline:
                 for row in swarm.step():
+                    window_tokens += row["tokens"]
                     if not live_table and time.monotonic() - last_line > 3.0:
                         last_line = time.monotonic()
+                        rate = window_tokens / max(1e-3, row["time_s"] - last_row["time_s"])
+                        last_row, window_tokens = row, 0
                         console.print(f"iteration {row['iteration'] + 1}/{cfg.train.iterations} "
-                                      f"loss {row['loss']:.4f} tok/s {row['tokens_per_s']:.0f} "
+                                      f"loss {row['loss']:.4f} tok/s {rate:.0f} "
                                       f"crashes {row['crashes']} joins {row['joins']}")
                 if live_table:
                     live.update(render_table(swarm.table_rows(), title), refresh=True)

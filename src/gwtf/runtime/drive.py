@@ -5,12 +5,11 @@ contract of docs/protocol.md without any protocol logic:
 - a tensor-carrying message names its tensor by `msg.key`: outgoing, the stored tensor under that
   key is attached; incoming, the received array is stored under it;
 - a `Compute(kind, inputs, outputs)` runs the matching worker job on the named keys (embed,
-  forward, loss, backward, embed_backward, export_grad, step, reset_grad, export_state,
+  forward, loss, backward, embed_backward, export_grad, reduce, step, reset_grad, export_state,
   import_state, load_checkpoint) and is answered with `core.on_compute_done(job_id, now)`;
 - `FreeIteration(t)` drops every tensor whose key's iteration (key[2]) is <= t;
-- the counts a step needs (microbatches behind each contributor's gradient) come from the
-  `GradShare` messages and this replica's own backward count, so the worker can rescale a
-  stage's gradient when microbatches were dropped.
+- `reduce` sums the named gradients in the given (sorted replica) order and rescales the sum to
+  the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`).
 `Host.compute` runs on the torch thread; everything else on the event loop.
 
 Checkpoints (for a stage whose every replica died): after each step whose version is a
@@ -84,7 +83,7 @@ def fault_point(eff: Compute) -> tuple[str, int | None, int | None, int]:
     for key in eff.inputs + eff.outputs:
         if len(key) > 2 and isinstance(key[2], int):
             it = int(key[2])
-    return ("aggregate" if eff.kind in ("export_grad", "step") else eff.kind), it, None, eff.stage
+    return ("aggregate" if eff.kind in ("export_grad", "reduce", "step") else eff.kind), it, None, eff.stage
 
 
 @dataclass(slots=True)
@@ -213,6 +212,9 @@ class Host:
             self.grad_counts[outs[0]] = w.microbatches_accumulated
         elif kind == "reset_grad":
             w.zero_grads()
+        elif kind == "reduce":
+            w.store[outs[0]] = w.reduce([w.store[k] for k in ins], eff.count)
+            self.grad_counts[outs[0]] = eff.count
         elif kind == "step":
             out.records.append(("stepped", self._step(w, eff)))
         elif kind == "export_state":
@@ -232,15 +234,15 @@ class Host:
         return list(self.core.on_compute_done(eff.job_id, now))
 
     def _step(self, w: StageWorker, eff: Compute) -> dict[str, Any]:
-        replicas = [(str(k[3]), w.store[k], self.grad_counts.get(k, 0)) for k in eff.inputs]
-        iteration = int(eff.inputs[0][2]) if eff.inputs else -1
-        h = w.step(iteration, replicas) if replicas else w.weights_hash()
+        """Step with the reduced gradient named by the single input key ("rgrad", stage, it, ...)."""
+        key = eff.inputs[0]
+        iteration = int(key[2])
+        h = w.apply_step(iteration, w.store[key])
         version = iteration + 1
-        every = self.cfg.protocol.checkpoint_every
-        if version % every == 0:
+        if version % self.cfg.protocol.checkpoint_every == 0:
             self._save_checkpoint(w, version)
         return {"iteration": iteration, "stage": w.stage, "hash": h, "version": version,
-                "microbatches": sum(c for _, _, c in replicas)}
+                "microbatches": self.grad_counts.get(key, 0)}
 
     def _save_checkpoint(self, w: StageWorker, version: int) -> None:
         folder = self.ckpt_dir / f"stage{w.stage}"

@@ -13,8 +13,9 @@ only reads finished tensors out of the store (`to_numpy`) to attach them to outg
 Semantics mirror `gwtf.model.stage.stage_forward_backward_reference`: activations are detached
 and re-leafed at every stage boundary; the data holder scales its loss by 1/(D*M) (D*M =
 `train.data_holders * train.microbatches`), so relays accumulate already count-weighted
-gradients and the aggregated gradient of a stage is the plain sum over replicas
-(`aggregate_stage_grads`, in sorted replica order, so every replica gets identical bits).
+gradients and the aggregated gradient of a stage is their sum rescaled to the microbatches that
+contributed (`reduce`, the reference trainer's `aggregate_stage_grads` rule; one replica reduces
+and sends the result to the others, so every replica steps with identical bits).
 
 Must not import asyncio or socket.
 """
@@ -36,7 +37,7 @@ from gwtf.config import Config
 from gwtf.model.data import TokenDataset
 from gwtf.model.presets import ModelSpec
 from gwtf.model.stage import FirstStage, build_stage
-from gwtf.model.trainer import StageOptimizer, aggregate_stage_grads
+from gwtf.model.trainer import StageOptimizer
 from gwtf.runtime.codec import check_finite
 
 TensorKey = Hashable
@@ -173,22 +174,42 @@ class StageWorker:
             raise GradientRejected(f"gradient of {flat.numel()} values for a stage of {offset} parameters")
         return out
 
-    def step(self, iteration: int, replicas: Sequence[tuple[str, Tensor, int]]) -> str:
-        """Aggregate (replica id, flat gradient, microbatch count) in sorted id order, then step.
+    def reduce(self, flats: Sequence[Tensor], count: int) -> Tensor:
+        """The stage's gradient from the contributors' flat gradients (in the given order).
 
-        Every replica passes the same list (its own gradient included), so all replicas compute
-        identical bits. Returns the new weights' hash.
+        Each input is a sum of per-microbatch gradients pre-scaled by 1/(D*M), so the mean over
+        the `count` microbatches that contributed is sum * (D*M)/count: exactly
+        `aggregate_stage_grads(..., planned_count=D*M)` of the reference trainer.
         """
-        ordered = sorted(replicas, key=lambda r: r[0])
-        for rid, flat, _ in ordered:
+        for i, flat in enumerate(flats):
             reason = check_finite([tensor_to_numpy(flat)])
             if reason is not None:
-                raise GradientRejected(f"aggregated gradient of {rid}: {reason}")
-        counts = [c for _, _, c in ordered]
-        grads = aggregate_stage_grads([self.unflatten(f) for _, f, _ in ordered], counts, self.planned)
-        self.optimizer.step(iteration, grads)
+                raise GradientRejected(f"gradient {i} of the reduction: {reason}")
+        if not flats or count <= 0:
+            raise GradientRejected("reduction without contributions")
+        out = flats[0].detach().clone()
+        for flat in flats[1:]:
+            out.add_(flat)
+        if count != self.planned:
+            out.mul_(self.planned / count)
+        return out
+
+    def apply_step(self, iteration: int, flat: Tensor) -> str:
+        """One optimizer step with the reduced flat gradient; returns the new weights' hash."""
+        reason = check_finite([tensor_to_numpy(flat)])
+        if reason is not None:
+            raise GradientRejected(f"reduced gradient: {reason}")
+        self.optimizer.step(iteration, self.unflatten(flat))
         self.microbatches_accumulated = 0
         return self.weights_hash()
+
+    def step(self, iteration: int, replicas: Sequence[tuple[str, Tensor, int]]) -> str:
+        """Reduce (replica id, flat gradient, microbatch count) in sorted id order, then step.
+
+        Every replica passing the same list gets identical bits. Returns the new weights' hash.
+        """
+        ordered = sorted(replicas, key=lambda r: r[0])
+        return self.apply_step(iteration, self.reduce([f for _, f, _ in ordered], sum(c for _, _, c in ordered)))
 
     def reset_initial(self) -> None:
         """Back to the seeded initial weights and a fresh optimizer (checkpoint version 0)."""
