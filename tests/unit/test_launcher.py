@@ -265,7 +265,7 @@ def test_ledger_audit_flags_double_counting_missing_work_and_divergence() -> Non
         "r1b": [contribute("r1b", 1, 1)],
     }
     hashes = {(0, 0): {"dh0": "h0"}, (0, 1): {"r1a": "h1", "r1b": "h1"}}
-    assert audit_ledger(good, 1, 2, hashes, microbatches=2) == ([], {"expected": 4})
+    assert audit_ledger(good, 1, 2, hashes, microbatches=2) == ([], {"expected": 4, "dropped": 0})
 
     twice = {**good, "dh0": [good["dh0"][0], decision(1, {"r1a": [["dh0", 0], ["dh0", 1]], "r1b": [["dh0", 1]]}),
                              *good["dh0"][2:]]}

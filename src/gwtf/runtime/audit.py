@@ -62,7 +62,7 @@ def audit_ledger(
     problems: list[str] = []
     decisions = final_decisions(records)
     logged = _contributions(records)
-    totals: Counter[str] = Counter()
+    totals: dict[str, int] = {"expected": 0, "dropped": 0}
     lost: set[tuple[int, str]] = set()  # (iteration, data holder) dropped by the leader
     for rows in records.values():
         for r in rows:
@@ -97,4 +97,4 @@ def audit_ledger(
             elif len(set(step_hashes.values())) != 1:
                 problems.append(f"iteration {it} stage {stage}: replicas diverged {dict(step_hashes)}")
             totals["expected"] += len(expected)
-    return problems, dict(totals)
+    return problems, totals
