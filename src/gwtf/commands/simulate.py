@@ -2,7 +2,8 @@
 
 Owns: the command's flags, the rich progress display and comparison table, and the run's
 outputs: DIR/summary.json ({system: metrics}, no wall-clock values: same seed, same bytes),
-DIR/timeline.csv (one row per completed iteration and system) and DIR/scenario.resolved.toml.
+DIR/timeline.csv (one row per completed iteration and system), DIR/scenario.resolved.toml and
+the plots of `gwtf.sim.plots` (throughput.png, cumulative.png, systems.png).
 Scenario knobs are `--set section.key=value` overrides, not flags.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from gwtf.config import dump_toml
 from gwtf.errors import UserError
+from gwtf.sim.plots import RunPlotData, plot_data, write_plots
 from gwtf.sim.scenario import ScenarioConfig, build, load_scenario
 from gwtf.sim.simulator import Simulator, get_system
 
@@ -52,13 +54,16 @@ def run(args: argparse.Namespace) -> int:
     built = build(sc, args.seed)  # same nodes for every system
     summaries: dict[str, dict[str, Any]] = {}
     timeline: list[dict[str, Any]] = []
+    plots: dict[str, RunPlotData] = {}
     for name, system in factories.items():
         sim = Simulator(sc, args.seed, system, built)
         summaries[name] = _run_one(sim, name, sc.train.iterations, args.no_progress)
         timeline += [{"system": name, **row} for row in sim.metrics.timeline_rows()]
+        plots[name] = plot_data(sim, summaries[name])
     (out / "summary.json").write_text(json.dumps(summaries, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _write_timeline(out / "timeline.csv", timeline)
     _write_resolved(sc, out / "scenario.resolved.toml")
+    write_plots(out, plots)
     _print_table(summaries, out)
     return 1 if any(s["invariant_violations"] for s in summaries.values()) else 0
 

@@ -31,6 +31,7 @@ class Metrics:
         self.done_times: list[float] = []
         self.microbatches = 0
         self.crash_times: list[float] = []
+        self.join_times: list[float] = []  # a joiner became a member (its "join" record)
         self.alive_since: dict[str, float] = {}
         self.available_s = 0.0
         self.finished_at: float | None = None
@@ -63,6 +64,8 @@ class Metrics:
         if event in ("reroute", "redo", "mb_restart", "reset", "abandoned", "evict", "join", "dup_return",
                      "mb_incomplete", "chain_failed", "leader_takeover", "stage_lost", "self_stop"):
             self.bump(event if event != "redo" else f"redo_{f.get('mode', '')}")
+        if event == "join":
+            self.join_times.append(now)
         if event == "mb_start":
             self.started[f["mb"][1]] = self.started.get(f["mb"][1], 0) + 1
         elif event == "iter_start":
