@@ -1,7 +1,7 @@
 """`gwtf demo`: the README's first command: a small local swarm with churn, on embedded defaults.
 
 Owns the demo's embedded config (the same as configs/swarm-demo.toml: 2 data holders, stages 1
-and 2 with 2 replicas each, tiny GPT on Shakespeare, 150 iterations, low churn = one kill -9 and
+and 2 with 2 replicas each, tiny GPT on Shakespeare, 300 iterations, low churn = one kill -9 and
 one joiner) and its few flags. It writes that config to DIR/demo.toml, starts the swarm through
 `gwtf swarm`'s loop (live table), and prints where the outputs are.
 """
@@ -34,7 +34,7 @@ vocab_size = 2048
 seed = 0
 data_holders = 2
 microbatches = 4
-iterations = 150
+iterations = 300
 lr = 2e-3
 min_lr = 2e-4
 warmup_iterations = 10
