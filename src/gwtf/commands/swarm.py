@@ -25,6 +25,8 @@ POLL_S = 0.2  # display / churn polling period
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default="runs/swarm", help="output folder (default: runs/swarm)")
+    parser.add_argument("--data-holders", type=int, metavar="D", help="shorthand for --set train.data_holders=D")
+    parser.add_argument("--stages", type=int, metavar="S", help="shorthand for --set model.stages=S (incl. stage 0)")
     parser.add_argument("--replicas", type=int, default=2, metavar="R", help="replicas of every relay stage")
     parser.add_argument("--churn", choices=("none", "low", "high"), default="none",
                         help="kill -9 relays at seeded random moments and start joiners")
@@ -39,8 +41,11 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
     from gwtf.runtime.swarm import SwarmOptions
 
     overrides = list(args.overrides)
-    if args.iterations is not None:
-        overrides.append(f"train.iterations={args.iterations}")
+    for flag, key in (("iterations", "train.iterations"), ("data_holders", "train.data_holders"),
+                      ("stages", "model.stages")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={value}")
     regions: tuple[str, ...] = ("local",)
     if args.wan:
         from gwtf.flow.network import load_network

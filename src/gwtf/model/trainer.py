@@ -32,7 +32,6 @@ from gwtf.config import Config, TrainConfig, to_dict, write_resolved
 from gwtf.errors import UserError
 from gwtf.model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gwtf.model.data import TokenDataset, load_dataset
-from gwtf.model.plots import plot_loss
 from gwtf.model.presets import model_spec
 from gwtf.model.stage import FirstStage, build_stage, stage_forward_backward_reference
 
@@ -294,6 +293,8 @@ def _save(
     meta = {"config": to_dict(cfg), "elapsed_s": elapsed_s}
     save_checkpoint(out_dir / "checkpoint", completed, tensors, {"torch_rng": torch.get_rng_state()}, meta)
     if metrics:
+        from gwtf.model.plots import plot_loss  # lazy: matplotlib costs ~1 s at every node's start
+
         plot_loss(metrics, out_dir / "loss.png", title=f"{cfg.model.family}-{cfg.model.preset} on {cfg.data.source}")
 
 

@@ -140,11 +140,9 @@ class NodeRuntime:
         if not self.ident.join:
             return None
         try:
-            async with asyncio.timeout(self.cfg.runtime.connect_timeout_s * 3):
-                conn = await self.transport._connection(self.ident.join)  # noqa: SLF001 (see report)
-        except (OSError, TimeoutError, ValueError) as exc:
-            raise UserError(f"cannot reach join contact {self.ident.join}: {exc or type(exc).__name__}") from None
-        return conn.peer_id
+            return await self.transport.connect(self.ident.join, timeout_s=self.cfg.runtime.connect_timeout_s * 3)
+        except SendFailed as exc:
+            raise UserError(f"cannot reach join contact {self.ident.join}: {exc.reason}") from None
 
     def _on_signal(self) -> None:
         """SIGINT/SIGTERM: graceful leave (announce), then exit once the leave is sent."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -168,6 +169,10 @@ class Swarm:
         self.opts = opts
         self.say = say
         opts.out_dir.mkdir(parents=True, exist_ok=True)
+        # A reused output folder starts fresh: stale node logs or metrics rows of an earlier run
+        # would otherwise be read back as this run's (wrong times, tokens, ledger).
+        shutil.rmtree(opts.out_dir / "nodes", ignore_errors=True)
+        (opts.out_dir / "metrics.jsonl").unlink(missing_ok=True)
         members = cfg.train.data_holders + opts.replicas * (cfg.model.stages - 1)
         overrides = (*opts.overrides, f"runtime.start_members={members}")
         self.group = ProcessGroup(opts.out_dir, opts.config_path, overrides)
