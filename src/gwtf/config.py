@@ -170,6 +170,8 @@ class ProtocolConfig:
     checkpoint_every: int = 10  # iterations between (modelled) checkpoints; a lost stage rolls back to one
     swarm_rebalance_period_s: float = 300.0  # SWARM baseline: rebalancing period T (SWARM paper: 300 s)
     swarm_ban_s: float = 60.0  # SWARM baseline: a failed peer is banned this long (its DHT record's life)
+    rebalance_period_s: float = 300.0  # gwtf: at most one relay moves to the bottleneck stage per period (0: off)
+    rebalance_min_gain: float = 0.02  # gwtf: a move must cut the estimated cost per microbatch by this fraction
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_period_s", "suspect_after_s", "evict_after_s", "deadline_floor_s",
@@ -183,6 +185,8 @@ class ProtocolConfig:
         _require(self.checkpoint_every >= 1, "protocol.checkpoint_every", "must be >= 1")
         _require(self.swarm_rebalance_period_s >= 0, "protocol.swarm_rebalance_period_s", "must be >= 0")
         _require(self.swarm_ban_s >= 0, "protocol.swarm_ban_s", "must be >= 0")
+        _require(self.rebalance_period_s >= 0, "protocol.rebalance_period_s", "must be >= 0")
+        _require(0.0 <= self.rebalance_min_gain < 1.0, "protocol.rebalance_min_gain", "must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

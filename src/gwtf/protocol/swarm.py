@@ -30,15 +30,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import Message, NodeId, message
 from gwtf.protocol.core import NodeCore
 from gwtf.protocol.ledger import Effect, Policy, TrainParams
-from gwtf.protocol.membership import to_tuple
-from gwtf.protocol.messages import JoinRequest, LeaveNotice, record
+from gwtf.protocol.messages import record
+from gwtf.protocol.rebalance import RebalanceMixin, StageMove
 from gwtf.protocol.router import FlowSlot, LinkEstimate, PeerInfo
 
 __all__ = ["SWARM_POLICY", "SwarmCore", "SwarmMove", "SwarmRouter", "plan_move", "stage_throughputs"]
@@ -50,11 +50,10 @@ SWARM_POLICY = Policy(name="swarm", backward_recovery="restart", rebalance_every
 
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SwarmMove(Message):
+class SwarmMove(StageMove):
     """Leader to a relay: leave your stage and serve `stage` (SWARM's adaptive rebalancing)."""
 
     TYPE = "swarm.move"
-    stage: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,25 +224,16 @@ def plan_move(members: Sequence[PeerInfo], stage_flops: Sequence[float],
     return best[1], bottleneck
 
 
-class SwarmCore(NodeCore):
-    """NodeCore with SWARM's rebalancing: the leader plans moves, a relay carries them out."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """Same arguments as NodeCore (pass `policy=SWARM_POLICY`)."""
-        super().__init__(*args, **kwargs)
-        self.move_target = -1
-        self.last_rebalance_s = 0.0
+class SwarmCore(RebalanceMixin, NodeCore):
+    """NodeCore with SWARM's rebalancing: the leader plans moves, a relay carries them out
+    (the move mechanics are shared with gwtf: `protocol.rebalance.RebalanceMixin`)."""
 
     # -- leader side -------------------------------------------------------------------------
 
     def rebalance(self, now: float) -> list[Effect]:
         """Called by the leader at iteration starts; acts every `swarm_rebalance_period_s`."""
-        period = self.cfg.swarm_rebalance_period_s
-        if period <= 0 or now - self.last_rebalance_s < period:
-            return []
-        if self.pending_joiners or getattr(self, "L_waiting_joiners", None):
-            return []  # a join (or the previous move) is still under way: one move at a time
-        self.last_rebalance_s = now
+        if not self.rebalance_due(now, self.cfg.swarm_rebalance_period_s):
+            return []  # not yet, or a join (or the previous move) is still under way
         members = [self.directory[p] for p in sorted(self.directory)]
         move = plan_move(members, self.train.stage_flops, self.transfer_estimates(members))
         if move is None:
@@ -251,48 +241,17 @@ class SwarmCore(NodeCore):
         pid, target = move
         return [record("rebalance", moved=pid, to=target), self.send(pid, SwarmMove(stage=target))]
 
-    def transfer_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
-        """Per peer: network seconds of one microbatch (activation in, gradient out), averaged
-        over the links from every other member (priors where known, else our measured link)."""
-        size = self.train.activation_bytes
-        out: dict[NodeId, float] = {}
-        for p in members:
-            if self.link_prior is None:
-                links = [self.link(p.id)]
-            else:
-                links = [self.link_prior(q, p) for q in members if q.id != p.id] or [self.link(p.id)]
-            one_way = [lk.latency_s + size / max(lk.bandwidth_bytes_per_s, 1.0) for lk in links]
-            out[p.id] = 2.0 * sum(one_way) / len(one_way)
-        return out
-
     # -- relay side --------------------------------------------------------------------------
-
-    def _handle(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
-        if isinstance(msg, SwarmMove):
-            return self.on_swarm_move(sender, msg, now)
-        return super()._handle(sender, msg, now)
 
     def on_swarm_move(self, sender: NodeId, msg: SwarmMove, now: float) -> list[Effect]:
         """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
-        if self.me.stage < 1 or not self.active or self.is_leader or not 1 <= msg.stage < self.S:
-            return []
-        out: list[Effect] = [record("swarm_move", node=self.me.id, stage=self.me.stage, to=msg.stage)]
-        self.move_target = msg.stage
-        self.active = False
-        self._clear_iteration()
-        self.jobs.clear()
-        self.pending_fwd.clear()
-        self.suspects.clear()
-        self.me = replace(self.me, stage=-1)
-        out.append(self.send(self.leader, LeaveNotice()))
-        out.append(self.send(self.leader, JoinRequest(peer=to_tuple(self.me))))
-        return out
+        return self.on_stage_move(sender, msg, now)
 
     def choose_join_stage(self, utilisation: Sequence[float]) -> int:
         """A moving peer serves the stage it was sent to; a new SWARM peer joins the stage with
         the least throughput (relay stages only; ties: lowest)."""
-        if self.move_target >= 1:
-            target, self.move_target = self.move_target, -1
+        target = self.take_move_target()
+        if target >= 1:
             return target
         members = [p for p in self.directory.values() if p.id != self.me.id]
         tp = stage_throughputs(members, self.S)

@@ -48,6 +48,10 @@ def _gwtf(sc: ScenarioConfig) -> System:
     def router(me: PeerInfo, train: TrainParams, s: ScenarioConfig) -> Router:
         return make_router(s.protocol.router, me, train, random.Random(f"router:{me.id}"), s.flow)
 
+    if sc.protocol.rebalance_period_s > 0:
+        from gwtf.protocol.rebalance import GWTF_REBALANCE_POLICY, GwtfCore
+
+        return System(GWTF_REBALANCE_POLICY, router, GwtfCore)
     return System(Policy(), router)
 
 

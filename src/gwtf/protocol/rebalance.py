@@ -1,0 +1,228 @@
+"""Moving a relay between stages (shared by gwtf and the SWARM baseline) and gwtf's move rule.
+
+Owns: `StageMove` (leader to relay: serve another stage), `RebalanceMixin` (the move mechanics
+both systems use: the leader's period gate and link-based transfer estimates, the relay's
+announced leave + rejoin through the ordinary join path, which downloads the target stage's
+weights + optimizer state, `stage_state_bytes`, before serving), `plan_gwtf_move` (gwtf's
+decision rule, pure) and `GwtfCore` (NodeCore with gwtf's rebalancing, used by the simulator's
+"gwtf" system). The SWARM decision rule stays in `protocol/swarm.py`.
+
+gwtf's rule (PAPER.md 3.5 and 5, "Joining"): per relay stage, the estimated time per microbatch
+is 1 / (sum over its replicas of 1 / (compute_s + the replica's network time per microbatch)),
+and a stage whose routed demand exceeds its capacity (flow utilisation > 1) counts as the
+bottleneck before any other. The estimated cost per microbatch is the largest stage time. A
+replica of another stage moves to the bottleneck only if the move (1) leaves its stage a
+replica and enough capacity for the flow, (2) lowers the cost per microbatch by at least
+`rebalance_min_gain` (hysteresis: no back-and-forth on noise) and (3) saves, over the
+remaining iterations, more time than its state download costs (measured iteration time x
+relative gain vs stage_state_bytes / the mover's link bandwidth). One move per period, at an
+iteration boundary; none while a join or move is still under way.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gwtf.protocol.base import Message, NodeId, message
+from gwtf.protocol.core import NodeCore
+from gwtf.protocol.ledger import CoreState, Effect, Policy
+from gwtf.protocol.membership import to_tuple
+from gwtf.protocol.messages import JoinRequest, LeaveNotice, record
+from gwtf.protocol.router import PeerInfo
+
+__all__ = ["GWTF_REBALANCE_POLICY", "GwtfCore", "RebalanceMixin", "StageMove", "plan_gwtf_move", "stage_times_s"]
+
+GWTF_REBALANCE_POLICY = Policy(name="gwtf", rebalance_every=1)
+"""gwtf's churn policy with the rebalance hook run at every iteration start (GwtfCore acts only
+every `rebalance_period_s`)."""
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMove(Message):
+    """Leader to a relay: leave your stage and serve `stage` (gwtf's rebalancing)."""
+
+    TYPE = "mem.move"
+    stage: int
+
+
+class RebalanceMixin(CoreState):
+    """Move mechanics shared by the systems that rebalance (put it before NodeCore in the bases)."""
+
+    move_target: int = -1
+    last_rebalance_s: float = 0.0
+
+    def rebalance_due(self, now: float, period_s: float) -> bool:
+        """Leader: a period has passed and no join (or previous move) is under way."""
+        if period_s <= 0 or now - self.last_rebalance_s < period_s:
+            return False
+        if getattr(self, "pending_joiners", None) or getattr(self, "L_waiting_joiners", None):
+            return False
+        self.last_rebalance_s = now
+        return True
+
+    def transfer_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
+        """Per peer: network seconds of one microbatch (activation in, gradient out), averaged
+        over the links from every other member (priors where known, else our measured link)."""
+        size = self.train.activation_bytes
+        prior = getattr(self, "link_prior", None)
+        out: dict[NodeId, float] = {}
+        for p in members:
+            if prior is None:
+                links = [self.link(p.id)]
+            else:
+                links = [prior(q, p) for q in members if q.id != p.id] or [self.link(p.id)]
+            one_way = [lk.latency_s + size / max(lk.bandwidth_bytes_per_s, 1.0) for lk in links]
+            out[p.id] = 2.0 * sum(one_way) / len(one_way)
+        return out
+
+    def _handle(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
+        if isinstance(msg, StageMove):
+            return self.on_stage_move(sender, msg, now)
+        return super()._handle(sender, msg, now)  # type: ignore[misc, no-any-return]
+
+    def on_stage_move(self, sender: NodeId, msg: StageMove, now: float) -> list[Effect]:
+        """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
+        if self.me.stage < 1 or not self.active or getattr(self, "is_leader", False) \
+                or not 1 <= msg.stage < self.S:
+            return []
+        event = "swarm_move" if msg.TYPE.startswith("swarm.") else "stage_move"
+        out: list[Effect] = [record(event, node=self.me.id, stage=self.me.stage, to=msg.stage)]
+        self.move_target = msg.stage
+        self.active = False
+        self._clear_iteration()  # type: ignore[attr-defined]
+        self.jobs.clear()
+        self.pending_fwd.clear()
+        self.suspects.clear()
+        self.me = replace(self.me, stage=-1)
+        out.append(self.send(self.leader, LeaveNotice()))
+        out.append(self.send(self.leader, JoinRequest(peer=to_tuple(self.me))))
+        return out
+
+    def take_move_target(self) -> int:
+        """The stage a moving peer was sent to (once), or -1 for an ordinary joiner."""
+        target, self.move_target = self.move_target, -1
+        return target
+
+
+# ---------------------------------------------------------------------------------------------
+# gwtf's decision rule
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_times_s(members: Sequence[PeerInfo], stages: int, transfer_s: dict[NodeId, float]) -> list[float]:
+    """Estimated seconds per microbatch of each relay stage (stage 0 and empty stages: inf)."""
+    rate = [0.0] * stages
+    for p in members:
+        if p.stage >= 1:
+            rate[p.stage] += 1.0 / max(p.compute_s + transfer_s.get(p.id, 0.0), 1e-12)
+    return [1.0 / r if r > 0 and k >= 1 else float("inf") for k, r in enumerate(rate)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoveInputs:
+    """What the leader knows when it plans a move."""
+
+    members: Sequence[PeerInfo]
+    stage_flops: Sequence[float]
+    demand: int  # microbatches per iteration (routed flow)
+    transfer_s: dict[NodeId, float]
+    download_s: dict[NodeId, float]  # per peer: seconds to download the bottleneck stage's state
+    iteration_s: float  # measured duration of the last iteration (0: unknown)
+    remaining_iterations: int
+    min_gain: float
+
+
+def _after_move(inp: MoveInputs, p: PeerInfo, target: int) -> list[PeerInfo]:
+    speed = inp.stage_flops[p.stage] / max(p.compute_s, 1e-12)
+    moved = replace(p, stage=target, compute_s=inp.stage_flops[target] / speed)
+    return [moved if q.id == p.id else q for q in inp.members]
+
+
+def _cost(members: Sequence[PeerInfo], stages: int, inp: MoveInputs) -> tuple[bool, float, int]:
+    """(some stage over capacity, largest stage time, that stage) of a membership."""
+    times = stage_times_s(members, stages, inp.transfer_s)
+    cap = [0] * stages
+    for p in members:
+        cap[p.stage] += p.capacity
+    over = [k for k in range(1, stages) if cap[k] < inp.demand]
+    worst = max(range(1, stages), key=lambda k: (k in over, times[k], -k))
+    return bool(over), times[worst], worst
+
+
+def plan_gwtf_move(inp: MoveInputs) -> tuple[NodeId, int] | None:
+    """(peer, target stage) or None (see the module docstring for the rule)."""
+    stages = len(inp.stage_flops)
+    over, cost, bottleneck = _cost(inp.members, stages, inp)
+    count = {k: sum(1 for p in inp.members if p.stage == k) for k in range(stages)}
+    best: tuple[tuple[bool, float], NodeId] | None = None
+    for p in sorted(inp.members, key=lambda q: q.id):
+        if p.stage < 1 or p.stage == bottleneck or count[p.stage] < 2:
+            continue
+        after = _after_move(inp, p, bottleneck)
+        key = _cost(after, stages, inp)[:2]
+        if best is None or key < best[0]:
+            best = (key, p.id)
+    if best is None:
+        return None
+    (new_over, new_cost), pid = best
+    if new_over and not over:
+        return None  # never trade a time gain for a stage that cannot hold the flow
+    gain = 1.0 - new_cost / cost if cost > 0 else 0.0
+    if not (over and not new_over) and gain < inp.min_gain:
+        return None
+    if inp.iteration_s > 0 and inp.remaining_iterations > 0:
+        saved_s = inp.iteration_s * gain * inp.remaining_iterations
+        if saved_s <= inp.download_s.get(pid, 0.0):
+            return None
+    return pid, bottleneck
+
+
+class GwtfCore(RebalanceMixin, NodeCore):
+    """NodeCore with gwtf's rebalancing (pass `policy=GWTF_REBALANCE_POLICY`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.iter_started_s = -1.0
+        self.iteration_s = 0.0
+
+    def rebalance(self, now: float) -> list[Effect]:
+        """Called by the leader at iteration starts; acts every `rebalance_period_s`."""
+        if self.iter_started_s >= 0:
+            self.iteration_s = now - self.iter_started_s
+        self.iter_started_s = now
+        if not self.rebalance_due(now, self.cfg.rebalance_period_s):
+            return []
+        members = [self.directory[p] for p in sorted(self.directory)]
+        demand = sum(min(self.train.microbatches, p.capacity) for p in members if p.stage == 0)
+        transfer = self.transfer_estimates(members)
+        inp = MoveInputs(members=members, stage_flops=self.train.stage_flops, demand=demand,
+                         transfer_s=transfer, download_s=self._download_estimates(members),
+                         iteration_s=self.iteration_s, min_gain=self.cfg.rebalance_min_gain,
+                         remaining_iterations=max(self.train.iterations - self.L_t, 0) if self.train.iterations
+                         else max(int(self.cfg.rebalance_period_s / max(self.iteration_s, 1e-9)), 1))
+        move = plan_gwtf_move(inp)
+        if move is None:
+            return [record("rebalance", moved="", to=-1)]
+        pid, target = move
+        return [record("rebalance", moved=pid, to=target), self.send(pid, StageMove(stage=target))]
+
+    def _download_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
+        """Per peer: seconds to fetch the largest stage state at its mean link bandwidth."""
+        biggest = max(self.train.stage_state_bytes)
+        out: dict[NodeId, float] = {}
+        for p in members:
+            links = [self.link_prior(q, p) for q in members if q.id != p.id] if self.link_prior else []
+            bws = [lk.bandwidth_bytes_per_s for lk in links] or [self.link(p.id).bandwidth_bytes_per_s]
+            bw = sum(bws) / len(bws)
+            out[p.id] = biggest / max(bw, 1.0)
+        return out
+
+    def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
+        """A moving peer serves the stage it was sent to; a new node joins the bottleneck."""
+        target = self.take_move_target()
+        return target if target >= 1 else super().choose_join_stage(utilisation)
