@@ -37,6 +37,7 @@ from gwtf.protocol.flow_messages import (
     FlowRequest,
     FlowRespond,
     FlowResponse,
+    FlowSwapTail,
     FlowSwitch,
     FlowTable,
 )
@@ -68,6 +69,7 @@ class FlowAgent(FlowAnneal):
             FlowPropose: self._on_propose,
             FlowRespond: self._on_respond,
             FlowRekey: self._on_rekey,
+            FlowSwapTail: self._on_swap_tail,
         }
 
     # ----------------------------------------------------------------------------- Router API

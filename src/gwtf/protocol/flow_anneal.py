@@ -5,7 +5,9 @@ two local moves between a node A and a same-stage peer B:
 
 - redirect: A (spare capacity) takes over B's flow p -> B -> n, which becomes p -> A -> n;
 - exchange: A and B swap one flow each (p_a -> A -> n_a becomes p_a -> B -> n_a and vice versa),
-  capacity-neutral, so full nodes can still trade.
+  capacity-neutral, so full nodes can still trade;
+- swap_next: A and B swap the next hops of two flows of the same origin, so two routes trade
+  their whole tails (`protocol.flow_swap`).
 
 A pulls B's table (FlowQuery / FlowTable, with B's link costs to A's flows' neighbours), scores
 every move on the min-max rule of PAPER.md 3.3.4 [I-adapt] (M_old = max cost of the affected
@@ -23,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from gwtf.protocol.base import NodeId
-from gwtf.protocol.flow_core import COST_EPS_S, INF, FlowCore, FlowEntry, FlowKey
+from gwtf.protocol.flow_core import COST_EPS_S, INF, FlowEntry, FlowKey
 from gwtf.protocol.flow_messages import (
     FlowCancel,
     FlowCost,
@@ -34,6 +36,7 @@ from gwtf.protocol.flow_messages import (
     FlowSwitch,
     FlowTable,
 )
+from gwtf.protocol.flow_swap import FlowSwap
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class _Busy:
     my_key: FlowKey | None = None
     my_prev: NodeId = ""
     my_next: NodeId = ""
+    nonce: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,7 @@ class _Move:
     mine: FlowEntry | None
 
 
-class FlowAnneal(FlowCore):
+class FlowAnneal(FlowSwap):
     """Simulated-annealing moves; mixed into FlowAgent."""
 
     temperature_s: float
@@ -72,6 +76,7 @@ class FlowAnneal(FlowCore):
         self._busy = None
         self._cooldown = {}
         self._peer_max = {}
+        self._swap_init()
 
     def _reheat(self) -> None:
         self.temperature_s = max(self.temperature_s, self.cfg.anneal_reheat * self.cfg.anneal_t0_s)
@@ -102,7 +107,16 @@ class FlowAnneal(FlowCore):
 
     # ------------------------------------------------------------------------------- A side
 
+    def _swap_blocked(self, keys: set[FlowKey]) -> bool:
+        busy = self._busy
+        return busy is not None and busy.my_key in keys or any(
+            e.locked for e in (self.flows.get(k) for k in keys) if e is not None
+        )
+
     def _anneal_tick(self) -> None:
+        self._expire_swaps()
+        if self._deferred and self._busy is None:
+            self._replay_deferred()
         if not self.same_peers:
             return
         busy = self._busy
@@ -178,6 +192,9 @@ class FlowAnneal(FlowCore):
                 score = (max(c_a, c_b) - max(c_a_new, c_b_new), c_a + c_b - c_a_new - c_b_new)
                 if best is None or score > best:
                     best, move = score, _Move(0.0, "exchange", i, e)
+        for score, i, e in self._swap_moves(msg, [e for e, _, _ in own], links_b):
+            if best is None or score > best:
+                best, move = score, _Move(0.0, "swap_next", i, e)
         if best is None or move is None:
             return None
         delta = best[0] if abs(best[0]) > COST_EPS_S else best[1]
@@ -187,7 +204,13 @@ class FlowAnneal(FlowCore):
         i = move.index
         key = (msg.origins[i], msg.flow_ids[i])
         busy = _Busy(move.kind, peer, self.now, their_key=key)
-        if move.mine is None:
+        if move.kind == "swap_next" and move.mine is not None:
+            e = move.mine
+            e.locked = True
+            busy.my_key, busy.my_prev, busy.my_next = e.key, e.prev, e.next or ""
+            busy.nonce = self.rng.getrandbits(31)
+            prop = self._swap_proposal(msg, i, e, busy.nonce)
+        elif move.mine is None:
             self.reserved += 1
             self._dirty = True
             prop = FlowPropose(move.kind, key[0], key[1], msg.prevs[i], msg.nexts[i])
@@ -210,6 +233,10 @@ class FlowAnneal(FlowCore):
         if not msg.accepted:
             return
         self.accepted_moves += 1
+        if busy.kind == "swap_next":
+            assert busy.my_key is not None
+            self._finish_swap(sender, busy.my_key, busy.my_next, busy.nonce, msg)
+            return
         if busy.kind == "yield" or self.is_dh:  # data holders trade whole routes by renaming them
             self._adopt(msg.origin, msg.flow_id, msg.prev, msg.next, msg.up_prev_s, msg.down_next_s)
             mine = self._find(*busy.my_key) if busy.my_key is not None else None
@@ -289,10 +316,15 @@ class FlowAnneal(FlowCore):
         if msg.kind == "exchange":
             ok = ok and (msg.my_origin, msg.my_flow_id) not in self.flows
             ok = ok and msg.my_prev in self.prev_peers and msg.my_next in self.next_peers
+        if msg.kind == "swap_next" and e is not None:
+            ok = ok and self._swap_ok(e, msg)
         if not ok or e is None:
             self._send(sender, FlowRespond(False, msg.origin, msg.flow_id))
             return
         self._cool(sender)
+        if msg.kind == "swap_next":
+            self._send(sender, self._accept_swap(sender, e, msg))
+            return
         if self.is_dh:  # yield or exchange between data holders: routes change owner by renaming
             self._forget(e)
             self.tombstones[e.key] = (sender, self.now + self.cfg.tombstone_s)
@@ -361,23 +393,3 @@ class FlowAnneal(FlowCore):
             fid = self.rng.getrandbits(31)
             if (self.me.id, fid) not in self.flows and (self.me.id, fid) not in self.tombstones:
                 return fid
-
-    # ----------------------------------------------------------------------------- helpers
-
-    def _install(
-        self, origin: NodeId, flow_id: int, prev: NodeId, nxt: NodeId, up_prev_s: float, down_next_s: float
-    ) -> FlowEntry:
-        e = FlowEntry(origin=origin, flow_id=flow_id, prev=prev, next=nxt, since_s=self.now)
-        e.up_prev_s, e.up_s = up_prev_s, up_prev_s + self.link_s(prev)
-        e.down_next_s, e.down_s = down_next_s, self.link_s(nxt) + down_next_s
-        self.flows[e.key] = e
-        self.tombstones.pop(e.key, None)
-        self._dirty = True
-        return e
-
-    def _announce(self, e: FlowEntry, old: NodeId) -> None:
-        """Tell the flow's prev and next that I replaced `old` on it."""
-        me = self.me.id
-        self._send(e.prev, FlowSwitch(e.origin, e.flow_id, "next", old, me, e.down_s))
-        if e.next is not None:
-            self._send(e.next, FlowSwitch(e.origin, e.flow_id, "prev", old, me, e.up_s))

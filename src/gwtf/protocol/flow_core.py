@@ -19,7 +19,7 @@ from typing import Any
 from gwtf.config import FlowConfig
 from gwtf.flow.cost import edge_cost_s
 from gwtf.protocol.base import Message, NodeId, Send, SetTimer
-from gwtf.protocol.flow_messages import INF_COST_S, FlowAdvert, FlowCancel, FlowCost
+from gwtf.protocol.flow_messages import INF_COST_S, FlowAdvert, FlowCancel, FlowCost, FlowSwitch
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 
 INF = INF_COST_S
@@ -294,3 +294,23 @@ class FlowCore:
         e.down_s = down
         if not self.is_dh:
             self._send(e.prev, FlowCost(e.origin, e.flow_id, "next", down, last))
+
+    # --------------------------------------------------------------- moves: hand-over
+
+    def _install(
+        self, origin: NodeId, flow_id: int, prev: NodeId, nxt: NodeId, up_prev_s: float, down_next_s: float
+    ) -> FlowEntry:
+        e = FlowEntry(origin=origin, flow_id=flow_id, prev=prev, next=nxt, since_s=self.now)
+        e.up_prev_s, e.up_s = up_prev_s, up_prev_s + self.link_s(prev)
+        e.down_next_s, e.down_s = down_next_s, self.link_s(nxt) + down_next_s
+        self.flows[e.key] = e
+        self.tombstones.pop(e.key, None)
+        self._dirty = True
+        return e
+
+    def _announce(self, e: FlowEntry, old: NodeId) -> None:
+        """Tell the flow's prev and next that I replaced `old` on it."""
+        me = self.me.id
+        self._send(e.prev, FlowSwitch(e.origin, e.flow_id, "next", old, me, e.down_s))
+        if e.next is not None:
+            self._send(e.next, FlowSwitch(e.origin, e.flow_id, "prev", old, me, e.up_s))

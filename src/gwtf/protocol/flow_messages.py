@@ -194,7 +194,9 @@ class FlowPropose(Message):
     """Annealing move. kind="redirect": I take your flow (origin, flow_id).
 
     kind="exchange": I take yours and you take mine (my_origin, my_flow_id), whose neighbours and
-    outer costs follow so you can install it.
+    outer costs follow so you can install it. kind="swap_next": we swap next hops (and so whole
+    tails) of two flows of the same origin; my_up_prev_s is then my up cost, my_down_next_s the
+    down cost at my next.
     """
 
     TYPE = "flow.propose"
@@ -209,6 +211,7 @@ class FlowPropose(Message):
     my_next: str = ""
     my_up_prev_s: float = 0.0
     my_down_next_s: float = 0.0
+    nonce: int = 0  # kind="swap_next": names the tail swap (FlowSwapTail) the move sets off
 
 
 @message
@@ -224,3 +227,25 @@ class FlowRespond(Message):
     next: str = ""
     up_prev_s: float = 0.0
     down_next_s: float = 0.0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FlowSwapTail(Message):
+    """Down two flows' tails after a swap_next move: names `a` and `b` of `origin` swap here and below.
+
+    The receiver swaps the two names once per `nonce` and passes the notice down both tails;
+    `flow_id` is the (new) name of the flow `prev` passes to it, `up_s` the up cost at `prev`;
+    `old_prev` (first hop only) is the receiver's prev on it before the move.
+    """
+
+    TYPE = "flow.swap_tail"
+    origin: str
+    a: int
+    b: int
+    nonce: int
+    flow_id: int
+    prev: str  # the receiver's prev on that flow (the sender, unless forwarded after a hand-over)
+    old_prev: str
+    up_s: float
+    ttl: int = 3

@@ -172,11 +172,14 @@ class RoutingSim:
                 keys = (key,) if e.renamed_from is None else (key, e.renamed_from)  # rename under way
                 route, prev, node = [dh], dh, e.next
                 for _ in range(1, stages):
-                    node, f = self._holder(node, keys)
+                    node, f = self._holder(node, keys, prev)
                     if f is not None and f.key != key and prev == dh:
                         prev = f.prev  # not renamed yet: still names the old origin as prev
                     if f is None or f.pending or f.prev != prev or f.next is None:
                         break
+                    alias = self.agents[node].swap_aliases.get(f.key)
+                    if alias is not None:  # tails swapped here: below, the tail may still have its old name
+                        keys = (*keys, alias[0])
                     route.append(node)
                     prev, node = node, f.next
                 else:
@@ -184,18 +187,18 @@ class RoutingSim:
                         out.append(tuple(route))
         return out
 
-    def _holder(self, node: NodeId, keys: tuple[tuple[NodeId, int], ...]) -> tuple[NodeId, Any]:
-        """The node that holds the flow (under any of its names) now, following hand-over
-        tombstones (a switch notice may still be on its way to the flow's prev)."""
+    def _holder(self, node: NodeId, keys: tuple[tuple[NodeId, int], ...], prev: NodeId) -> tuple[NodeId, Any]:
+        """The node that holds the flow (under any of its names, preferring the one whose prev is
+        `prev`) now, following hand-over tombstones (a switch notice may still be on its way)."""
         for _ in range(3):
             if node in self.dead:
                 return node, None
             agent = self.agents[node]
             stone = None
+            found = [f for f in (agent.flows.get(key) for key in keys) if f is not None]
+            if found:
+                return node, next((f for f in found if f.prev == prev), found[0])
             for key in keys:
-                f = agent.flows.get(key)
-                if f is not None:
-                    return node, f
                 stone = stone or agent.tombstones.get(key)
             if stone is None:
                 return node, None

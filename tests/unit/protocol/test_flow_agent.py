@@ -16,6 +16,8 @@ from gwtf.flow.instance import Instance, NodeSpec, Route, evaluate_routes
 from gwtf.flow.network import Network
 from gwtf.protocol.base import MESSAGE_TYPES, NodeId, Send, SetTimer
 from gwtf.protocol.flow import FlowAgent
+from gwtf.protocol.flow_anneal import _Move
+from gwtf.protocol.flow_messages import FlowQuery
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 
 DELAY_S = 0.05
@@ -246,3 +248,39 @@ def test_crash_mid_route_releases_the_orphaned_downstream_part() -> None:
     assert len(routes) == 1 and routes[0][2] == "r2b"
     through = {nid: sum(nid in r for r in routes) for nid in _relay_flow_counts(h)}
     assert through == _relay_flow_counts(h)
+
+
+def test_swap_next_hops_trades_tails_renames_them_and_scores_like_the_instance() -> None:
+    """PAPER.md 3.3.4 Move 1: two same-stage relays swap the next hops of two flows of one origin.
+
+    The move is started by hand (annealing off), so the test sees exactly one swap; the
+    routes must come out as head_a + tail_b and head_b + tail_a with consistent names hop by hop,
+    and the score must match the route costs the instance computes."""
+    cfg = dataclasses.replace(FlowConfig(), anneal_probability=0.0)
+    inst = tiny_instance(demand=2, relay_capacity=1, stages=4)
+    h = Harness(inst, cfg=cfg)
+    h.run(20.0)
+    before = h.routes()
+    assert len(before) == 2
+    a, b = h.agents["r1a"], h.agents["r1b"]
+    (ea,), (eb,) = a.flows.values(), b.flows.values()
+    route_a = next(r for r in before if r[1] == "r1a")
+    route_b = next(r for r in before if r[1] == "r1b")
+    effects = b.on_message("r1a", FlowQuery(tuple(sorted({ea.prev, ea.next or ""}))), h.now)
+    (table,) = [eff.msg for eff in effects if isinstance(eff, Send)]
+    (score, index, mine), = list(a._swap_moves(table, [ea], dict(zip(table.link_nodes, table.link_costs_s))))
+    new_a, new_b = route_a[:2] + route_b[2:], route_b[:2] + route_a[2:]
+    old_max = max(inst.route_cost_s(route_a), inst.route_cost_s(route_b))
+    new_max = max(inst.route_cost_s(new_a), inst.route_cost_s(new_b))
+    assert score[0] == pytest.approx(old_max - new_max)
+    a._propose("r1b", table, _Move(score[0], "swap_next", index, mine))
+    h.apply("r1a", a._flush())
+    h.run(3.0)
+    assert h.routes() == sorted([new_a, new_b])  # Harness.routes checks names and prevs hop by hop
+    dh = h.agents["dh"]
+    for e in dh.flows.values():
+        route = next(r for r in (new_a, new_b) if r[1] == e.next)
+        assert e.prev == route[-1]  # the data holder learned its route's new last relay
+        assert e.down_s == pytest.approx(inst.route_cost_s(route))
+    assert a.flows[ea.key].next == route_b[2] and b.flows[eb.key].next == route_a[2]
+    assert all(n == 1 for n in _relay_flow_counts(h).values())
