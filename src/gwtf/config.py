@@ -134,6 +134,7 @@ class FlowConfig:
     anneal_min_t_s: float = 1e-4  # below this only strictly improving moves are proposed
     anneal_reheat: float = 0.5  # on crash / join / link change: T <- max(T, reheat * T0)
     anneal_tournament: int = 3  # peers sampled per move; the one showing the dearest route is asked
+    anneal_swap_next: bool = False  # also try swapping next hops (whole tails) of same-origin flows
     cooldown_ticks: int = 5  # a same-stage peer just interacted with is left alone this long
     stable_s: float = 2.0  # a flow changed more recently than this is not offered for moves
     check_every_ticks: int = 15  # consistency check of every flow with its neighbours
@@ -156,7 +157,7 @@ class FlowConfig:
 class ProtocolConfig:
     """NodeCore's churn-handling knobs: failure detection, deadlines, checkpoints (docs/protocol.md)."""
 
-    router: Literal["greedy", "flow"] = "greedy"  # next-hop choice: protocol.simple_router or protocol.flow
+    router: Literal["greedy", "flow"] = "flow"  # next-hop choice: protocol.simple_router or protocol.flow
     heartbeat_period_s: float = 2.0  # node -> leader heartbeats; leader -> node acks
     suspect_after_s: float = 6.0  # no word from the leader this long: suspect it (log)
     evict_after_s: float = 12.0  # leader: silent node declared dead; node: leader declared dead

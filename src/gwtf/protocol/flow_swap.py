@@ -44,6 +44,7 @@ class FlowSwap(FlowCore):
 
     _swaps: dict[int, float]  # nonce of a tail swap already applied here -> until
     _deferred: list[tuple[NodeId, FlowSwapTail]]  # notices held while a move of mine names the flows
+    tail_swaps: int
     swap_aliases: dict[FlowKey, tuple[FlowKey, float]]
     """At A and B: my flow -> (the name its new tail has until the notice renames it, until)."""
 
@@ -51,6 +52,7 @@ class FlowSwap(FlowCore):
         self._swaps = {}
         self._deferred = []
         self.swap_aliases = {}
+        self.tail_swaps = 0  # swap_next moves this node completed as proposer
 
     def _expire_swaps(self) -> None:
         for nonce in [n for n, until in self._swaps.items() if until < self.now]:
@@ -73,7 +75,7 @@ class FlowSwap(FlowCore):
         tuple[Score, int, FlowEntry]
     ]:
         """Every swap of one of my flows with a same-origin flow of the peer, with its score."""
-        if self.is_dh or self.is_last:
+        if self.is_dh or self.is_last or not self.cfg.anneal_swap_next:
             return
         for i, (origin, fid) in enumerate(zip(msg.origins, msg.flow_ids)):
             n_b = msg.nexts[i]
@@ -128,6 +130,7 @@ class FlowSwap(FlowCore):
             return
         # (if my next hop handed my tail over meanwhile, the peer's notice followed its tombstone)
         mine.next, mine.since_s = msg.next, self.now
+        self.tail_swaps += 1
         self._set_down(mine, msg.down_next_s)
         self.swap_aliases[mine.key] = ((mine.origin, msg.flow_id), self.now + self.cfg.request_timeout_s)
         self._send(msg.next, FlowSwapTail(

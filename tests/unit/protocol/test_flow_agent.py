@@ -256,7 +256,7 @@ def test_swap_next_hops_trades_tails_renames_them_and_scores_like_the_instance()
     The move is started by hand (annealing off), so the test sees exactly one swap; the
     routes must come out as head_a + tail_b and head_b + tail_a with consistent names hop by hop,
     and the score must match the route costs the instance computes."""
-    cfg = dataclasses.replace(FlowConfig(), anneal_probability=0.0)
+    cfg = dataclasses.replace(FlowConfig(), anneal_probability=0.0, anneal_swap_next=True)
     inst = tiny_instance(demand=2, relay_capacity=1, stages=4)
     h = Harness(inst, cfg=cfg)
     h.run(20.0)
