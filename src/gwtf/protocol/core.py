@@ -74,9 +74,17 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
                  router_factory: Callable[[PeerInfo], Router] | None = None) -> None:
         """`router_factory` (optional) builds a fresh router when a joiner picks its stage;
         without it a router's optional `set_me(me)` is called instead."""
+        if router is None and router_factory is None:
+            router_rng = random.Random(rng.getrandbits(64))
+
+            def router_factory(info: PeerInfo) -> Router:
+                return make_router(cfg.router, info, train, router_rng)
+
         if router is None:
-            router = router_factory(me) if router_factory is not None else \
-                make_router(cfg.router, me, train, random.Random(rng.getrandbits(64)))
+            assert router_factory is not None
+            # A joiner has no stage yet (-1): it routes nothing until `on_welcome` gives it one
+            # and builds its real router; the greedy router is a harmless placeholder meanwhile.
+            router = router_factory(me) if me.stage >= 0 else GreedyRouter(me, train.stages, train.activation_bytes)
         CoreState.__init__(self, me, cfg, train, rng, router, policy or Policy())
         self.link_prior = link_prior
         self.router_factory = router_factory

@@ -301,6 +301,14 @@ class NodeRuntime:
         log.log(level, "%s %s", eff.event, " ".join(f"{k}={v}" for k, v in eff.fields))
 
     def _track(self, event: str, fields: dict[str, Any]) -> None:
+        before = self.state
+        self._track_stats(event, fields)
+        if self.state != before:
+            # Publish a state change at once, not at the next status tick: a launcher waiting for
+            # "active" must see it even if the node is killed (e.g. by a fault) right after.
+            self._write_status()
+
+    def _track_stats(self, event: str, fields: dict[str, Any]) -> None:
         if event == "loss":
             self.stats["last_loss"] = fields.get("loss")
         elif event == "step":
