@@ -91,6 +91,24 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         self._resends: dict[int, tuple[NodeId, Message]] = {}
         self._resend_seq = 0
 
+    # Set by drivers that start a swarm of operator-placed nodes (the runtime: `--stage K`,
+    # `runtime.start_members`); the simulator leaves both at their neutral defaults.
+    fixed_stage: int | None = None  # a joiner keeps this stage instead of the bottleneck stage
+    start_members: int = 0  # leader of a fresh swarm: hold iteration 0 until this many members
+
+    def _resume(self, now: float) -> list[Effect]:
+        # A fresh swarm (nothing trained yet) stays paused until every initial node is a member,
+        # so all of them train from iteration 0 (equivalence with the reference trainer).
+        fresh = self.version == 0 and getattr(self, "L_lost_from", 0) <= 0
+        if fresh and len(self.directory) < self.start_members:
+            return []
+        return list(super()._resume(now))
+
+    def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
+        if self.fixed_stage is not None:
+            return self.fixed_stage
+        return int(super().choose_join_stage(utilisation))
+
     # ---- driver API --------------------------------------------------------------------
 
     def on_start(self, now: float, known_peers: list[PeerInfo]) -> list[Effect]:

@@ -266,6 +266,11 @@ class LeaderMixin(CoreState):
         self.directory[pid] = info
         out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.L_t)]
         out += self._broadcast(MemberUp(peer=to_tuple(info)), include_self=False)
+        # Members activated between this joiner's Welcome and now were announced before it was a
+        # member, so it never heard of them (e.g. the relay a data holder should route to).
+        listed = self.welcomed_with.pop(pid, frozenset(self.directory))  # type: ignore[attr-defined]
+        out += [self.send(pid, MemberUp(peer=to_tuple(self.directory[q])))
+                for q in sorted(self.directory) if q not in listed and q not in (pid, self.me.id)]
         out += self._peer_up(info, now)  # type: ignore[attr-defined]
         if self.L_phase == "paused" and all(self._stage_members()):
             out += self._resume(now)

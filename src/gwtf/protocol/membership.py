@@ -65,6 +65,7 @@ class MembershipMixin(CoreState):
         self.last_leader_s = now
         self.last_hb: dict[NodeId, float] = {}
         self.pending_joiners: set[NodeId] = set()
+        self.welcomed_with: dict[NodeId, frozenset[NodeId]] = {}  # leader: members a joiner's Welcome listed
         self.probing: set[tuple[str, NodeId]] = set()
         self.votes: dict[NodeId, set[NodeId]] = {}
         self.vote_failed: set[NodeId] = set()
@@ -313,6 +314,7 @@ class MembershipMixin(CoreState):
         self.pending_joiners.add(joiner)
         self.last_hb[joiner] = now
         members = tuple(to_tuple(self.directory[p]) for p in sorted(self.directory))
+        self.welcomed_with[joiner] = frozenset(self.directory)
         welcome = Welcome(members=members, utilisation=self.utilisation(),
                           iteration=self.iteration, checkpoint_iteration=self.checkpoint_version())
         return [self.send(joiner, welcome)]

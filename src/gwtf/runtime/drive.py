@@ -39,8 +39,7 @@ from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
-from gwtf.protocol.membership import to_tuple
-from gwtf.protocol.messages import Compute, FreeIteration, GradShare, MemberUp, Record
+from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 
@@ -286,35 +285,7 @@ def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
     )
 
 
-class RuntimeNodeCore(NodeCore):
-    """NodeCore as the runtime runs it: a node whose stage is fixed by its operator (`--stage K`;
-    data holders: 0) joins through a contact like any joiner but keeps its stage
-    (`choose_join_stage`), the initial-start hold (`_resume`), and one stop-gap marked below."""
-
-    fixed_stage: int | None = None
-    start_members: int = 0  # runtime.start_members: the initial swarm's size (leader only)
-
-    def _resume(self, now: float) -> list[Any]:
-        # A fresh swarm (nothing trained yet) stays paused until every initial node is a member,
-        # so all of them train from iteration 0 (equivalence with the reference trainer).
-        fresh = self.version == 0 and getattr(self, "L_lost_from", 0) <= 0
-        if fresh and len(self.directory) < self.start_members:
-            return []
-        return list(super()._resume(now))
-
-    def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Any]:
-        # Workaround (reported): members activated between a joiner's Welcome and its own
-        # activation were announced before the joiner was a member, so it never heard of them
-        # (e.g. a data holder that never learns the relay it should route to). Re-announce all.
-        out = list(super()._activate(pid, info, now))
-        out += [self.send(pid, MemberUp(peer=to_tuple(self.directory[q])))
-                for q in sorted(self.directory) if q not in (pid, self.me.id)]
-        return out
-
-    def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
-        if self.fixed_stage is not None:
-            return self.fixed_stage
-        return int(super().choose_join_stage(utilisation))
+RuntimeNodeCore = NodeCore  # the runtime runs the very same core (fixed_stage, start_members)
 
 
 def resolve_device(device: str) -> str:
