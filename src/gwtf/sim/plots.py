@@ -68,30 +68,23 @@ def _markers(ax: Any, runs: Mapping[str, RunPlotData]) -> None:
         ax.axvline(t, color="tab:green", lw=0.8, ls="--", alpha=0.6, label="join" if i == 0 else None)
 
 
-def _throughput_figure(runs: Mapping[str, RunPlotData], path: Path) -> None:
+def _time_series_figure(runs: Mapping[str, RunPlotData], path: Path, series: str) -> None:
+    """One line per system against time, churn marked: "throughput" or "cumulative"."""
     fig, ax = plt.subplots(figsize=(8, 4))
     for i, (name, run) in enumerate(runs.items()):
-        xs, ys = iteration_throughput(run.rows)
-        ax.plot(xs, ys, marker=".", color=COLORS[i % len(COLORS)], label=name)
+        color = COLORS[i % len(COLORS)]
+        if series == "throughput":
+            ax.plot(*iteration_throughput(run.rows), marker=".", color=color, label=name)
+        else:
+            ax.step(*cumulative_microbatches(run.rows), where="post", color=color, label=name)
     _markers(ax, runs)
     ax.set_xlabel("time (s)")
-    ax.set_ylabel("microbatches / s (per iteration)")
-    ax.set_title("Throughput over time")
-    ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _cumulative_figure(runs: Mapping[str, RunPlotData], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, (name, run) in enumerate(runs.items()):
-        xs, ys = cumulative_microbatches(run.rows)
-        ax.step(xs, ys, where="post", color=COLORS[i % len(COLORS)], label=name)
-    _markers(ax, runs)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("microbatches trained")
-    ax.set_title("Cumulative microbatches")
+    if series == "throughput":
+        ax.set_ylabel("microbatches / s (per iteration)")
+        ax.set_title("Throughput over time")
+    else:
+        ax.set_ylabel("microbatches trained")
+        ax.set_title("Cumulative microbatches")
     ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -128,8 +121,8 @@ def write_plots(out_dir: str | Path, runs: Mapping[str, RunPlotData]) -> list[Pa
     paths = [out / "throughput.png", out / "cumulative.png", out / "systems.png"]
     if not runs:
         return []
-    _throughput_figure(runs, paths[0])
-    _cumulative_figure(runs, paths[1])
+    _time_series_figure(runs, paths[0], "throughput")
+    _time_series_figure(runs, paths[1], "cumulative")
     _systems_figure(runs, paths[2])
     return paths
 
