@@ -170,6 +170,12 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
 
     def _drain(self, effects: list[Effect], now: float) -> list[Effect]:
         """Deliver messages addressed to this node at once; return the rest."""
+        me = self.me.id
+        for e in effects:  # fast path: nothing addressed to me (Send has no subclasses)
+            if type(e) is Send and e.to == me:
+                break
+        else:
+            return list(effects)
         out: list[Effect] = []
         queue = list(effects)
         i = 0

@@ -71,8 +71,10 @@ class NetworkModel:
 
     def send(self, a: str, b: str, payload_bytes: int, now: float) -> tuple[float, float] | None:
         """(time the last byte leaves a's uplink, arrival time) or None if the link is cut."""
-        lat, bw = self.base(a, b)
-        w = self._window(a, b, now)
+        region = self.region
+        ra, rb = region[a], region[b]
+        lat, bw = self._lat[ra][rb], self._bw[ra][rb]
+        w = self._window(a, b, now) if self.windows else None
         if w is not None:
             if w.cut:
                 return None

@@ -166,9 +166,9 @@ class Simulator:
             if t is Send:
                 self._send(node, e.to, e.msg, now)
             elif t is SetTimer:
-                self._token += 1
-                self.timers[(node, e.key)] = self._token
-                self.engine.schedule(e.at, self._fire, node, e.key, self._token)
+                self._token = token = self._token + 1
+                self.timers[(node, e.key)] = token
+                self.engine.schedule(e.at, self._fire, node, e.key, token)
             elif t is CancelTimer:
                 self.timers.pop((node, e.key), None)
             elif t is Compute:
@@ -186,10 +186,11 @@ class Simulator:
 
     def _send(self, src: str, dst: str, msg: Message, now: float) -> None:
         self.events_out += 1
-        if dst not in self.net.region:
+        net = self.net
+        if dst not in net.region:
             self.engine.schedule(now + self.sc.sim.send_fail_delay_s, self._failed, src, dst, msg)
             return
-        r = self.net.send(src, dst, msg.tensor_bytes, now)
+        r = net.send(src, dst, msg.tensor_bytes, now)
         if r is None:
             self.engine.schedule(now + self.sc.sim.send_fail_delay_s, self._failed, src, dst, msg)
             return
