@@ -14,6 +14,7 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -72,18 +73,23 @@ class Engine:
         heap = self._heap
         cancelled = self._cancelled
         pop = heapq.heappop
-        while heap:
-            if until_s is not None and heap[0][0] > until_s:
-                self.now = until_s
-                return
-            at, seq, fn, args = pop(heap)
-            if seq in cancelled:
-                cancelled.discard(seq)
-                continue
-            self.now = at
-            self.events_run += 1
-            fn(*args)
-            if stop is not None and stop():
-                return
+        limit_s = until_s if until_s is not None else math.inf
+        ran = 0  # written back in `finally` (events_run is read only between runs)
+        try:
+            while heap:
+                if heap[0][0] > limit_s:
+                    self.now = limit_s
+                    return
+                at, seq, fn, args = pop(heap)
+                if cancelled and seq in cancelled:
+                    cancelled.discard(seq)
+                    continue
+                self.now = at
+                ran += 1
+                fn(*args)
+                if stop is not None and stop():
+                    return
+        finally:
+            self.events_run += ran
         if until_s is not None and self.now < until_s:
             self.now = until_s
