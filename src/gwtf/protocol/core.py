@@ -161,11 +161,14 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
                 out += list(self.router.on_peer_up(info, self.link(sender), now))
         t = msg.TYPE
         if t.startswith(("flow.", "swarm.")):
-            return out + list(self.router.on_message(sender, msg, now))
+            out.extend(self.router.on_message(sender, msg, now))
+            return out
         name = HANDLERS.get(t)
         if name is None:
             return out + [log("warning", "unknown_message", type=t, sender=sender)]
         result: list[Effect] = getattr(self, name)(sender, msg, now)
+        if not out:
+            return list(result)
         return out + result
 
     def _drain(self, effects: list[Effect], now: float) -> list[Effect]:
