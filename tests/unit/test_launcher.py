@@ -127,8 +127,11 @@ def test_fault_spec_grammar() -> None:
     after = parse_fault("kill:aggregate:after=1")
     assert after is not None
     assert [after.matches("step", 0, None, 1), after.matches("aggregate", 1, None, 1)] == [False, True]
+    since = parse_fault("kill:backward:from=2")
+    assert since is not None and since.from_iteration == 2
+    assert [since.matches("backward", i, 0, 1) for i in (0, 1, None, 2, 5)] == [False, False, False, True, True]
     assert parse_fault("  ") is None
-    for bad in ("forward", "kill:", "kill:forward:iter", "kill:forward:iter=x", "kill:forward:color=1"):
+    for bad in ("forward", "kill:", "kill:forward:iter", "kill:forward:iter=x", "kill:forward:from=", "kill:forward:color=1"):
         with pytest.raises(UserError, match="runtime.fault"):
             parse_fault(bad)
 

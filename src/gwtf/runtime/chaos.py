@@ -7,12 +7,14 @@ outside), after the driver has flushed its record log so the exactly-once ledger
 
 Grammar (one fault per node; fields after the point are optional filters, all must match):
 
-    kill:<point>[:iter=N][:mb=K][:stage=S][:after=C]
+    kill:<point>[:iter=N][:from=N][:mb=K][:stage=S][:after=C]
 
 - `point`: a compute kind (`embed`, `forward`, `loss`, `backward`, `embed_backward`, `step`, ...),
   `aggregate` (the node is about to send or apply its stage's aggregation), or any record event
   name the protocol core emits. `any` matches every point.
-- `iter`: the iteration; `mb`: the microbatch index inside its data holder's iteration; `stage`;
+- `iter`: the iteration; `from`: any iteration >= N (the first match from then on: routing decides
+  which replica of a stage carries an iteration's microbatches, so a relay may see none in a given
+  iteration); `mb`: the microbatch index inside its data holder's iteration; `stage`;
   `after`: skip the first C matches (kill on match number C+1).
 
 Must not import torch or asyncio (the driver calls it synchronously).
@@ -38,6 +40,7 @@ class FaultSpec:
     action: str
     point: str
     iteration: int | None = None
+    from_iteration: int | None = None
     mb_index: int | None = None
     stage: int | None = None
     after: int = 0
@@ -50,6 +53,8 @@ class FaultSpec:
                 return False
         if self.iteration is not None and iteration != self.iteration:
             return False
+        if self.from_iteration is not None and (iteration is None or iteration < self.from_iteration):
+            return False
         if self.mb_index is not None and mb_index != self.mb_index:
             return False
         if self.stage is not None and stage != self.stage:
@@ -58,7 +63,7 @@ class FaultSpec:
         return self.seen > self.after
 
 
-_INT_KEYS = {"iter": "iteration", "iteration": "iteration", "mb": "mb_index", "stage": "stage", "after": "after"}
+_INT_KEYS = {"iter": "iteration", "iteration": "iteration", "from": "from_iteration", "mb": "mb_index", "stage": "stage", "after": "after"}
 
 
 def parse_fault(text: str) -> FaultSpec | None:
@@ -68,12 +73,12 @@ def parse_fault(text: str) -> FaultSpec | None:
         return None
     parts = text.split(":")
     if len(parts) < 2 or parts[0] != "kill" or not parts[1]:
-        raise UserError(f"runtime.fault {text!r}: expected kill:<point>[:iter=N][:mb=K][:stage=S][:after=C]")
+        raise UserError(f"runtime.fault {text!r}: expected kill:<point>[:iter=N][:from=N][:mb=K][:stage=S][:after=C]")
     values: dict[str, int] = {}
     for part in parts[2:]:
         key, sep, raw = part.partition("=")
         if not sep or key not in _INT_KEYS:
-            raise UserError(f"runtime.fault {text!r}: unknown filter {part!r} (iter, mb, stage, after)")
+            raise UserError(f"runtime.fault {text!r}: unknown filter {part!r} (iter, from, mb, stage, after)")
         try:
             values[_INT_KEYS[key]] = int(raw)
         except ValueError:
