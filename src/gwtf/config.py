@@ -124,7 +124,9 @@ class FlowConfig:
     """The decentralized flow protocol's knobs (PAPER.md 3.3, docs/flow-protocol.md)."""
 
     tick_s: float = 1.0  # period of every node's flow tick (requests, annealing, checks)
+    tick_max_s: float = 0.0  # > tick_s: quiet ticks double the period up to this (Trickle); 0 = fixed
     advert_interval_s: float = 0.2  # least gap between two cost advertisements of one node
+    advert_tolerance: float = 0.0  # re-advertise only when a cost moved by more than this fraction
     request_timeout_s: float = 5.0  # a reservation with no answer by then counts as refused
     request_tries: int = 4  # next hops one node tries for a reservation before refusing upstream
     max_pending_requests: int = 4  # data holder: reservations in progress at once
@@ -142,7 +144,9 @@ class FlowConfig:
 
     def __post_init__(self) -> None:
         _require(self.tick_s > 0, "flow.tick_s", "must be > 0")
+        _require(self.tick_max_s >= 0, "flow.tick_max_s", "must be >= 0 (0: a fixed tick period)")
         _require(self.advert_interval_s >= 0, "flow.advert_interval_s", "must be >= 0")
+        _require(0.0 <= self.advert_tolerance < 1.0, "flow.advert_tolerance", "must be in [0, 1)")
         _require(self.request_timeout_s > 0, "flow.request_timeout_s", "must be > 0")
         _require(self.request_tries >= 1, "flow.request_tries", "must be >= 1")
         _require(self.max_pending_requests >= 1, "flow.max_pending_requests", "must be >= 1")

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from gwtf.cli import main
+from gwtf.config import FlowConfig
 from gwtf.flow.generate import generate_instance
 from gwtf.flow.instance import evaluate_routes
 from gwtf.flow.optimum import optimum
@@ -111,3 +112,31 @@ def test_swap_next_hops_keeps_routes_valid_and_leak_free(seed: int) -> None:
     _no_leaks(sim)
     moved = sum(a.tail_swaps for a in sim.agents.values())
     assert moved > 0  # tails were actually swapped (and renamed) during the run
+
+
+def test_quiet_ticks_back_off_and_wake_on_a_crash() -> None:
+    """With `flow.tick_max_s`, a converged swarm stops probing (far fewer messages per virtual
+    minute than with a fixed tick) yet still finds the optimum flow, and after a crash it wakes up
+    and re-converges to the survivors' optimum flow."""
+    inst = generate_instance(40, 5, 4, seed=1)
+    opt = optimum(inst)
+
+    def settled(cfg: FlowConfig) -> tuple[RoutingSim, int]:
+        sim = RoutingSim(inst, cfg=cfg, seed=1)
+        out = sim.run(600.0)
+        assert out.converged and evaluate_routes(inst, out.routes).flow == opt.stats.flow
+        before = sim.messages
+        sim.engine.run(until_s=sim.engine.now + 300.0)
+        return sim, sim.messages - before
+
+    _, fixed = settled(FlowConfig())
+    sim, quiet = settled(FlowConfig(tick_max_s=32.0, advert_tolerance=0.02))
+    assert quiet < fixed / 3, (quiet, fixed)
+    assert max(a._tick_gap for a in sim.agents.values()) > 8.0
+    victims = sim.crash(0.2, random.Random(9))
+    survivors = sim.surviving_instance()
+    out = sim.run(600.0, target_flow=optimum(survivors).stats.flow)
+    stats = evaluate_routes(survivors, out.routes)
+    assert not {n for r in out.routes for n in r} & set(victims)
+    assert stats.flow == optimum(survivors).stats.flow
+    sim.check_invariants()

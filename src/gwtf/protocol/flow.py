@@ -76,8 +76,8 @@ class FlowAgent(FlowAnneal):
 
     def on_start(self, now: float) -> list[Any]:
         self.now = self.started_s = now
-        first = now + self.rng.uniform(0.0, self.cfg.tick_s)
-        self._out.append(SetTimer(("flow", "tick"), first))
+        self._tick_at = now + self.rng.uniform(0.0, self.cfg.tick_s)
+        self._out.append(SetTimer(("flow", "tick"), self._tick_at))
         self._dirty = True
         return self._flush()
 
@@ -127,7 +127,7 @@ class FlowAgent(FlowAnneal):
         self.now = now
         if key == ("flow", "tick"):
             self._tick()
-            self._out.append(SetTimer(("flow", "tick"), now + self.cfg.tick_s))
+            self._next_tick()
         elif key == ("flow", "advert"):
             self._advert_timer_set = False
             self._dirty = True

@@ -108,6 +108,9 @@ class FlowCore:
         self.costs_dirty = True  # neighbour costs, links or membership changed since last recompute
         self.started_s = 0.0
         self._first_advert = True
+        self._tick_gap = cfg.tick_s  # current tick period (grows while quiet, see _next_tick)
+        self._tick_at = 0.0  # when the pending tick fires
+        self._changed = False  # flows, peers or costs changed since the last tick
 
     # ------------------------------------------------------------------------------ effects
 
@@ -118,9 +121,37 @@ class FlowCore:
     def _flush(self) -> list[Any]:
         if self._dirty:
             self._dirty = False
+            self._stirred()
             self._maybe_advert()
         out, self._out = self._out, []
         return out
+
+    # --------------------------------------------------------------------- tick quiescence
+
+    def _next_tick(self) -> None:
+        """Schedule the next tick. With `tick_max_s` > `tick_s`, a tick after which nothing changed
+        (no flow, peer, link or cost change, no reservation under way, no unmet data-holder demand)
+        doubles the period up to `tick_max_s`, as Trickle (RFC 6206) does for gossip; any change
+        brings it back to `tick_s` at once (`_stirred`). A converged swarm then stops probing."""
+        cfg = self.cfg
+        if cfg.tick_max_s > cfg.tick_s:
+            busy = self._changed or self._dirty or any(e.pending or e.locked for e in self.flows.values())
+            if not busy and self.is_dh:
+                busy = min(self.me.demand, self.me.capacity) > self.load
+            self._tick_gap = cfg.tick_s if busy else min(2.0 * self._tick_gap, cfg.tick_max_s)
+            self._changed = False
+        self._tick_at = self.now + self._tick_gap
+        self._out.append(SetTimer(("flow", "tick"), self._tick_at))
+
+    def _stirred(self) -> None:
+        """Something changed: the coming tick is not quiet, and a backed-off tick comes back."""
+        self._changed = True
+        if self._tick_gap > self.cfg.tick_s:
+            self._tick_gap = self.cfg.tick_s
+            at = self.now + self.cfg.tick_s
+            if at < self._tick_at:
+                self._tick_at = at
+                self._out.append(SetTimer(("flow", "tick"), at))
 
     # ------------------------------------------------------------------------------- peers
 
@@ -251,12 +282,22 @@ class FlowCore:
         self._last_advert_s = self.now
         targets, costs = self._cost_vector()
         state = (targets, costs, self._has_capacity())
-        if state == self._advertised:
+        if state == self._advertised or self._within_tolerance(state):
             return
         self._advertised = state
         msg = FlowAdvert(*state)
         for pid in self.prev_peers:
             self._send(pid, msg)
+
+    def _within_tolerance(self, state: tuple[tuple[str, ...], tuple[float, ...], bool]) -> bool:
+        """Same targets and capacity flag, and every cost within `advert_tolerance` (relative) of
+        what was last advertised: not worth a message to every previous-stage peer. The
+        comparison is with the advertised costs, so slow drift is still sent once it adds up."""
+        tol = self.cfg.advert_tolerance
+        old = self._advertised
+        if tol <= 0.0 or old is None or old[0] != state[0] or old[2] != state[2]:
+            return False
+        return all(abs(c - p) <= tol * p for c, p in zip(state[1], old[1]))
 
     def _hold_first_advert(self) -> bool:
         """At start, wait (up to 3 ticks) until every next-stage peer has advertised: one complete
