@@ -196,6 +196,7 @@ class FlowAgent(FlowAnneal):
         adv = dict(zip(msg.targets, msg.costs_s))
         if adv != nb.adv:
             nb.adv = adv
+            nb.vec = (msg.targets, msg.costs_s) if len(adv) == len(msg.targets) else None
             self.costs_dirty = True
         self._dirty = True
 
@@ -237,6 +238,7 @@ class FlowAgent(FlowAnneal):
                 nb.has_capacity = msg.has_capacity
                 if nb.adv.get(msg.origin) != msg.cost_s:
                     nb.adv[msg.origin] = msg.cost_s
+                    nb.vec = None
                     self.costs_dirty = True
                 self._dirty = True
             self._forward(e)

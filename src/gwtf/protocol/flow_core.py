@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gwtf.config import FlowConfig
 from gwtf.flow.cost import edge_cost_s
 from gwtf.protocol.base import Message, NodeId, Send, SetTimer
@@ -37,6 +39,8 @@ class Neighbour:
     cost_s: float  # d(me, peer), the edge cost of the flow model
     adv: dict[NodeId, float] = field(default_factory=dict)  # its advertised cost to each target
     has_capacity: bool = True
+    vec: tuple[tuple[str, ...], tuple[float, ...]] | None = None  # adv as its advert's columns, or
+    # None after a single-entry update (then only `adv` is right)
 
 
 @dataclass(slots=True)
@@ -258,8 +262,37 @@ class FlowCore:
         """
         if self.is_last:
             return {t: nb.cost_s for t, nb in self.next_peers.items() if nb.info.stage == 0}
-        best: dict[NodeId, float] = {}
+        # Peers whose adverts name the same targets (the usual case: one sorted tuple of the data
+        # holders) are reduced together, one column-wise min in numpy; exact, as float adds and
+        # mins are, so the result equals the plain per-entry loop kept for the others.
+        groups: dict[tuple[str, ...], list[Neighbour]] = {}
+        loose: list[Neighbour] = []
         for nb in self.next_peers.values():
+            vec = nb.vec
+            if vec is not None:
+                group = groups.get(vec[0])
+                if group is None:
+                    groups[vec[0]] = [nb]
+                else:
+                    group.append(nb)
+            elif nb.adv:
+                loose.append(nb)
+        best: dict[NodeId, float] = {}
+        for targets, peers in groups.items():
+            if len(peers) == 1:
+                c0 = peers[0].cost_s
+                mins = [c0 + c for c in peers[0].vec[1]]  # type: ignore[index]
+            else:
+                table = np.array([nb.vec[1] for nb in peers], dtype=np.float64)  # type: ignore[index]
+                table += np.array([nb.cost_s for nb in peers], dtype=np.float64)[:, None]
+                mins = table.min(axis=0).tolist()
+            if not best:
+                best = dict(zip(targets, mins))
+                continue
+            for t, v in zip(targets, mins):
+                if v < best.get(t, INF):
+                    best[t] = v
+        for nb in loose:
             c0 = nb.cost_s
             for t, c in nb.adv.items():
                 v = c0 + c
