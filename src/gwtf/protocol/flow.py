@@ -193,10 +193,7 @@ class FlowAgent(FlowAnneal):
         if nb is None:
             return
         nb.has_capacity = msg.has_capacity
-        adv = dict(zip(msg.targets, msg.costs_s))
-        if adv != nb.adv:
-            nb.adv = adv
-            nb.vec = (msg.targets, msg.costs_s) if len(adv) == len(msg.targets) else None
+        if nb.set_advert(msg.targets, msg.costs_s):
             self.costs_dirty = True
         self._dirty = True
 
@@ -236,9 +233,7 @@ class FlowAgent(FlowAnneal):
         if not msg.accepted:
             if nb is not None:
                 nb.has_capacity = msg.has_capacity
-                if nb.adv.get(msg.origin) != msg.cost_s:
-                    nb.adv[msg.origin] = msg.cost_s
-                    nb.vec = None
+                if nb.set_cost(msg.origin, msg.cost_s):
                     self.costs_dirty = True
                 self._dirty = True
             self._forward(e)

@@ -32,15 +32,53 @@ FlowKey = tuple[NodeId, int]
 
 @dataclass(slots=True)
 class Neighbour:
-    """A prev / same / next-stage peer and what this node knows of it."""
+    """A prev / same / next-stage peer and what this node knows of it.
+
+    Its advertised costs are kept as the advert's columns (`vec`); the dict view `adv` and the
+    numpy row `arr` are built only when first needed, since most adverts are superseded before
+    anything looks them up. After a single-entry update (a refusal's fresh cost) the dict is the
+    only truth and `vec` is None.
+    """
 
     info: PeerInfo
     link: LinkEstimate
     cost_s: float  # d(me, peer), the edge cost of the flow model
-    adv: dict[NodeId, float] = field(default_factory=dict)  # its advertised cost to each target
     has_capacity: bool = True
-    vec: tuple[tuple[str, ...], tuple[float, ...]] | None = None  # adv as its advert's columns, or
-    # None after a single-entry update (then only `adv` is right)
+    vec: tuple[tuple[str, ...], tuple[float, ...]] | None = None  # its last advert: targets, costs
+    arr: Any = None  # vec's costs as a float64 array, when built
+    adv_dict: dict[NodeId, float] | None = None  # vec as a dict, when built
+
+    @property
+    def adv(self) -> dict[NodeId, float]:
+        """Its advertised cost to each target."""
+        d = self.adv_dict
+        if d is None:
+            d = self.adv_dict = dict(zip(*self.vec)) if self.vec is not None else {}
+        return d
+
+    def heard(self) -> bool:
+        """Has it advertised anything (that I still hold)?"""
+        return self.vec is not None or bool(self.adv_dict)
+
+    def set_advert(self, targets: tuple[str, ...], costs: tuple[float, ...]) -> bool:
+        """A new advert from it; True when its costs changed."""
+        vec = self.vec
+        if vec is not None:
+            if vec[1] == costs and vec[0] == targets:
+                return False
+        elif self.adv == dict(zip(targets, costs)):
+            return False
+        self.vec, self.arr, self.adv_dict = (targets, costs), None, None
+        return True
+
+    def set_cost(self, target: NodeId, cost_s: float) -> bool:
+        """One fresh entry (from a refusal); True when it changed."""
+        adv = self.adv
+        if adv.get(target) == cost_s:
+            return False
+        adv[target] = cost_s
+        self.vec = self.arr = None
+        return True
 
 
 @dataclass(slots=True)
@@ -275,7 +313,7 @@ class FlowCore:
                     groups[vec[0]] = [nb]
                 else:
                     group.append(nb)
-            elif nb.adv:
+            elif nb.adv_dict:
                 loose.append(nb)
         best: dict[NodeId, float] = {}
         for targets, peers in groups.items():
@@ -283,7 +321,13 @@ class FlowCore:
                 c0 = peers[0].cost_s
                 mins = [c0 + c for c in peers[0].vec[1]]  # type: ignore[index]
             else:
-                table = np.array([nb.vec[1] for nb in peers], dtype=np.float64)  # type: ignore[index]
+                rows = []
+                for nb in peers:
+                    row = nb.arr
+                    if row is None:
+                        row = nb.arr = np.asarray(nb.vec[1], dtype=np.float64)  # type: ignore[index]
+                    rows.append(row)
+                table = np.vstack(rows)
                 table += np.array([nb.cost_s for nb in peers], dtype=np.float64)[:, None]
                 mins = table.min(axis=0).tolist()
             if not best:
@@ -338,7 +382,7 @@ class FlowCore:
         if not self._first_advert or self.is_last:
             return False
         hold_until = self.started_s + 3 * self.cfg.tick_s
-        silent = not self.next_peers or any(not nb.adv for nb in self.next_peers.values())
+        silent = not self.next_peers or any(not nb.heard() for nb in self.next_peers.values())
         if self.now < hold_until and silent:
             if not self._advert_timer_set:
                 self._advert_timer_set = True
