@@ -194,6 +194,7 @@ class FlowAgent(FlowAnneal):
             return
         nb.has_capacity = msg.has_capacity
         if nb.set_advert(msg.targets, msg.costs_s):
+            self._fresh_adverts.add(sender)
             self.costs_dirty = True
         self._dirty = True
 

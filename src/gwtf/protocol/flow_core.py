@@ -34,9 +34,8 @@ FlowKey = tuple[NodeId, int]
 class Neighbour:
     """A prev / same / next-stage peer and what this node knows of it.
 
-    Its advertised costs are kept as the advert's columns (`vec`); the dict view `adv` and the
-    numpy row `arr` are built only when first needed, since most adverts are superseded before
-    anything looks them up. After a single-entry update (a refusal's fresh cost) the dict is the
+    Its advertised costs are kept as the advert's columns (`vec`); the dict view `adv` is built
+    only when first needed, since most adverts are superseded before anything looks them up. After a single-entry update (a refusal's fresh cost) the dict is the
     only truth and `vec` is None.
     """
 
@@ -45,7 +44,6 @@ class Neighbour:
     cost_s: float  # d(me, peer), the edge cost of the flow model
     has_capacity: bool = True
     vec: tuple[tuple[str, ...], tuple[float, ...]] | None = None  # its last advert: targets, costs
-    arr: Any = None  # vec's costs as a float64 array, when built
     adv_dict: dict[NodeId, float] | None = None  # vec as a dict, when built
 
     @property
@@ -68,7 +66,7 @@ class Neighbour:
                 return False
         elif self.adv == dict(zip(targets, costs)):
             return False
-        self.vec, self.arr, self.adv_dict = (targets, costs), None, None
+        self.vec, self.adv_dict = (targets, costs), None
         return True
 
     def set_cost(self, target: NodeId, cost_s: float) -> bool:
@@ -77,7 +75,7 @@ class Neighbour:
         if adv.get(target) == cost_s:
             return False
         adv[target] = cost_s
-        self.vec = self.arr = None
+        self.vec = None
         return True
 
 
@@ -153,6 +151,9 @@ class FlowCore:
         self._tick_gap = cfg.tick_s  # current tick period (grows while quiet, see _next_tick)
         self._tick_at = 0.0  # when the pending tick fires
         self._changed = False  # flows, peers or costs changed since the last tick
+        # _current_costs' tables per target tuple, and the next peers that advertised since
+        self._tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]] = {}
+        self._fresh_adverts: set[NodeId] = set()
 
     # ------------------------------------------------------------------------------ effects
 
@@ -305,6 +306,7 @@ class FlowCore:
         # mins are, so the result equals the plain per-entry loop kept for the others.
         groups: dict[tuple[str, ...], list[Neighbour]] = {}
         loose: list[Neighbour] = []
+        tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]] = {}
         for nb in self.next_peers.values():
             vec = nb.vec
             if vec is not None:
@@ -321,17 +323,11 @@ class FlowCore:
                 c0 = peers[0].cost_s
                 mins = [c0 + c for c in peers[0].vec[1]]  # type: ignore[index]
             else:
-                rows = []
-                for nb in peers:
-                    row = nb.arr
-                    if row is None:
-                        row = nb.arr = np.asarray(nb.vec[1], dtype=np.float64)  # type: ignore[index]
-                    rows.append(row)
-                table = np.vstack(rows)
-                table += np.array([nb.cost_s for nb in peers], dtype=np.float64)[:, None]
-                mins = table.min(axis=0).tolist()
+                table = self._table(targets, peers, tables)
+                cost = np.array([nb.cost_s for nb in peers], dtype=np.float64)
+                mins = (table + cost[:, None]).min(axis=0).tolist()
             if not best:
-                best = dict(zip(targets, mins))
+                best = {t: v for t, v in zip(targets, mins) if v < INF}
                 continue
             for t, v in zip(targets, mins):
                 if v < best.get(t, INF):
@@ -342,7 +338,27 @@ class FlowCore:
                 v = c0 + c
                 if v < best.get(t, INF):
                     best[t] = v
+        self._tables = tables
+        self._fresh_adverts.clear()
         return best
+
+    def _table(self, targets: tuple[str, ...], peers: list[Neighbour],
+               tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]]) -> Any:
+        """The advertised costs of `peers` (one row each) to `targets`: last call's table with the
+        rows of peers that advertised since patched in, or a new one when the group changed."""
+        ids = tuple(nb.info.id for nb in peers)
+        cached = self._tables.get(targets)
+        if cached is not None and cached[0] == ids:
+            index, table = cached[1], cached[2]
+            for pid in self._fresh_adverts:
+                i = index.get(pid)
+                if i is not None:
+                    table[i] = peers[i].vec[1]  # type: ignore[index]
+        else:
+            index = {pid: i for i, pid in enumerate(ids)}
+            table = np.array([nb.vec[1] for nb in peers], dtype=np.float64)  # type: ignore[index]
+        tables[targets] = (ids, index, table)
+        return table
 
     def _maybe_advert(self) -> None:
         """Advertise my costs to the previous stage if they changed (at most once per interval)."""
