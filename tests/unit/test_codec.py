@@ -408,3 +408,16 @@ def test_prefix_layout_is_18_bytes_little_endian() -> None:
     magic, version, flags, header_len, body_len = struct.unpack_from("<4sBBIQ", data)
     assert (magic, version, flags, body_len) == (b"GWTF", 1, 0, 8)
     assert len(data) == 18 + header_len + body_len
+
+
+def test_flow_advert_that_would_poison_the_distance_vector_is_refused() -> None:
+    """An advert with a NaN or negative cost, duplicate targets or misaligned columns is refused at
+    decode, naming the type; inf (no route) is a legal cost."""
+    from gwtf.protocol.flow_messages import FlowAdvert
+
+    bad = [(("a", "b"), (1.0, float("nan"))), (("a",), (-1.0,)), (("a", "a"), (1.0, 2.0)), (("a", "b"), (1.0,))]
+    for targets, costs in bad:
+        with pytest.raises(WireError, match="flow.advert"):
+            decode_all(encode_bytes(FlowAdvert(targets, costs, True), []))
+    ok = FlowAdvert(("a", "b"), (0.5, float("inf")), False)
+    assert_same(decode_all(encode_bytes(ok, [])), ok, [])

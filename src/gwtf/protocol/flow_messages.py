@@ -29,6 +29,16 @@ class FlowAdvert(Message):
     costs_s: tuple[float, ...]  # aligned with targets; inf when no downstream capacity
     has_capacity: bool
 
+    def validate(self) -> None:
+        """Called by the wire codec on every decoded advert: aligned columns, distinct targets,
+        costs >= 0 (inf allowed, NaN not), so one bad peer cannot poison the distance vector."""
+        if len(self.targets) != len(self.costs_s):
+            raise ValueError(f"{len(self.targets)} targets but {len(self.costs_s)} costs")
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError("duplicate targets")
+        if not all(c >= 0.0 for c in self.costs_s):  # False for NaN too
+            raise ValueError("a cost is negative or NaN")
+
 
 @message
 @dataclass(frozen=True, slots=True)
