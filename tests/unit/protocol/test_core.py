@@ -34,21 +34,28 @@ def test_happy_path_two_iterations_every_microbatch_once_per_stage() -> None:
     assert len(steps) == 2 * len(h.cores)
 
 
-def test_forward_reroute_when_next_hop_crashes() -> None:
-    """A stage-1 replica that dies on receiving a forward: the DH reroutes from its cached
-    activation to the other replica; nothing upstream is recomputed (one embed per microbatch)."""
-    h = Harness(peers((1, 2, 1), demand=1), ONE)
-    h.start()
+def _crash_first_stage1_receiver(h: Harness, kind: type) -> list[str]:
+    """Crash the first stage-1 replica ("a*") a `kind` message is sent to, and lose that message;
+    returns the list the victim's id is put in."""
     victim: list[str] = []
 
     def drop(src: str, dst: str, msg: object) -> bool:
-        if isinstance(msg, m.Forward) and dst.startswith("a") and not victim:
+        if isinstance(msg, kind) and dst.startswith("a") and not victim:
             victim.append(dst)
             h.crash(dst)
             return True
         return False
 
     h.drop = drop
+    return victim
+
+
+def test_forward_reroute_when_next_hop_crashes() -> None:
+    """A stage-1 replica that dies on receiving a forward: the DH reroutes from its cached
+    activation to the other replica; nothing upstream is recomputed (one embed per microbatch)."""
+    h = Harness(peers((1, 2, 1), demand=1), ONE)
+    h.start()
+    victim = _crash_first_stage1_receiver(h, m.Forward)
     h.run(300.0, stop=lambda: bool(h.events("iteration_done")))
     assert h.events("iteration_done")
     assert [f["dead"] for f in h.events("reroute")] == victim
@@ -61,16 +68,7 @@ def test_backward_crash_redoes_only_the_crashed_stage() -> None:
     starts a redo at stage 1 only, and the iteration still covers the microbatch once."""
     h = Harness(peers((1, 2, 1), demand=1), ONE)
     h.start()
-    crashed: list[str] = []
-
-    def drop(src: str, dst: str, msg: object) -> bool:
-        if isinstance(msg, m.Backward) and dst.startswith("a") and not crashed:
-            crashed.append(dst)
-            h.crash(dst)
-            return True
-        return False
-
-    h.drop = drop
+    crashed = _crash_first_stage1_receiver(h, m.Backward)
     h.run(300.0, stop=lambda: bool(h.events("iteration_done")))
     redo = h.events("redo")
     assert redo and redo[0]["start"] == 1 and redo[0]["until"] == 2
