@@ -175,9 +175,8 @@ class FlowAgent(FlowAnneal):
 
     def _build_flows(self) -> None:
         """Phase A at a data holder: reserve flows up to min(demand, capacity)."""
-        target = min(self.me.demand, self.me.capacity)
         pending = sum(1 for e in self.flows.values() if e.pending)
-        while self.load < target and pending < self.cfg.max_pending_requests:
+        while self._spare() > 0 and pending < self.cfg.max_pending_requests:
             if self._best_next(self.me.id, ()) is None:
                 return
             fid = self._new_flow_id()

@@ -91,11 +91,6 @@ class FlowAnneal(FlowSwap):
             and e.next is not None and e.since_s <= horizon
         ]
 
-    def _spare(self) -> int:
-        """Flows I could still take: relays up to capacity, data holders up to their demand."""
-        limit = min(self.me.demand, self.me.capacity) if self.is_dh else self.me.capacity
-        return limit - self.load
-
     def _dh_blocked(self) -> bool:
         """A data holder that wants more flows but no next-stage peer can take one."""
         return self._spare() > 0 and not any(

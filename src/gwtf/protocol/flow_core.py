@@ -180,7 +180,7 @@ class FlowCore:
         if cfg.tick_max_s > cfg.tick_s:
             busy = self._changed or self._dirty or any(e.pending or e.locked for e in self.flows.values())
             if not busy and self.is_dh:
-                busy = min(self.me.demand, self.me.capacity) > self.load
+                busy = self._spare() > 0
             self._tick_gap = cfg.tick_s if busy else min(2.0 * self._tick_gap, cfg.tick_max_s)
             self._changed = False
         self._tick_at = self.now + self._tick_gap
@@ -241,6 +241,11 @@ class FlowCore:
     @property
     def load(self) -> int:
         return len(self.flows) + self.reserved
+
+    def _spare(self) -> int:
+        """Flows I could still take: relays up to capacity, data holders up to their demand."""
+        limit = min(self.me.demand, self.me.capacity) if self.is_dh else self.me.capacity
+        return limit - self.load
 
     def _has_capacity(self) -> bool:
         """Can I take one more new flow: spare capacity here and some next-stage peer that can?"""
