@@ -177,6 +177,7 @@ class ProtocolConfig:
     swarm_ban_s: float = 60.0  # SWARM baseline: a failed peer is banned this long (its DHT record's life)
     rebalance_period_s: float = 300.0  # gwtf: at most one relay moves to the bottleneck stage per period (0: off)
     rebalance_min_gain: float = 0.02  # gwtf: a move must cut the estimated cost per microbatch by this fraction
+    view_size: int = 0  # routers see ~this many peers of each neighbouring stage (0: all; >= 16; protocol.view)
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_period_s", "suspect_after_s", "evict_after_s", "deadline_floor_s",
@@ -192,6 +193,8 @@ class ProtocolConfig:
         _require(self.swarm_ban_s >= 0, "protocol.swarm_ban_s", "must be >= 0")
         _require(self.rebalance_period_s >= 0, "protocol.rebalance_period_s", "must be >= 0")
         _require(0.0 <= self.rebalance_min_gain < 1.0, "protocol.rebalance_min_gain", "must be in [0, 1)")
+        # a node sees none of a stage of n > K peers with probability ~exp(-K): 16 keeps it ~1e-7
+        _require(self.view_size == 0 or self.view_size >= 16, "protocol.view_size", "must be 0 (all) or >= 16")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -53,6 +53,8 @@ RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStar
             m.MemberUp, m.MemberDown, m.Rollback, m.StateTransfer, m.StateRequest, m.Welcome, m.JoinRequest)
 
 LinkPrior = Callable[[PeerInfo, PeerInfo], LinkEstimate]
+"""What a node believes of the link from one node to another before measuring it; a function of
+the two nodes' regions (the simulator's region table), which the leader's planning relies on."""
 
 
 def make_router(name: str, me: PeerInfo, train: TrainParams, rng: random.Random,
@@ -157,7 +159,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         if sender in self.suspects:
             self.suspects.discard(sender)
             info = self.directory.get(sender)
-            if info is not None:
+            if info is not None and self.in_view(info):
                 out += list(self.router.on_peer_up(info, self.link(sender), now))
         t = msg.TYPE
         if t.startswith(("flow.", "swarm.")):

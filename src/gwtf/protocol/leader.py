@@ -142,8 +142,8 @@ class LeaderMixin(CoreState):
 
     def _check(self, now: float) -> list[Effect]:
         if self.L_phase == "run":
-            dhs = {p for p in self.directory if self.directory[p].stage == 0}
-            if not dhs <= set(self.L_expected):
+            dhs = self.data_holders()  # type: ignore[attr-defined]
+            if len(self.L_expected) < len(dhs) or not dhs <= self.L_expected.keys():
                 return []
             self.L_phase = "collect"
             out: list[Effect] = [record("collect", iteration=self.L_t)]
@@ -157,7 +157,8 @@ class LeaderMixin(CoreState):
         return []
 
     def _plan(self, now: float) -> list[Effect]:
-        if not set(self.directory) <= set(self.L_reports):
+        # (the length test first: this runs on every Report, O(1) until the last ones arrive)
+        if len(self.L_reports) < len(self.directory) or not self.directory.keys() <= self.L_reports.keys():
             return []
         contrib = {p: (r.stage, frozenset(r.contributed)) for p, r in self.L_reports.items() if p in self.directory}
         plan = plan_redo(self.S, self.L_expected, contrib)
@@ -264,6 +265,7 @@ class LeaderMixin(CoreState):
 
     def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Effect]:
         self.directory[pid] = info
+        self.dhs_cache = None
         out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.L_t)]
         out += self._broadcast(MemberUp(peer=to_tuple(info)), include_self=False)
         # Members activated between this joiner's Welcome and now were announced before it was a

@@ -134,9 +134,11 @@ class CoreState:
         self.active = me.stage >= 0  # a joiner is inactive until the leader activates it
         self.iteration = 0  # current iteration (from the leader)
         self.version = 0  # optimizer steps applied to this node's stage
-        self.directory: dict[NodeId, PeerInfo] = {}
+        self.directory: dict[NodeId, PeerInfo] = {}  # every change sets dhs_cache = None
+        self.dhs_cache: frozenset[NodeId] | None = None  # MembershipMixin.data_holders
         self.links: dict[NodeId, LinkEstimate] = {}
         self.suspects: set[NodeId] = set()
+        self.view_sizes: dict[int, int] = {}  # stage sizes this node's view is drawn against
         self.leader: NodeId = ""
         self._job_seq = 0
         self.jobs: dict[int, tuple[str, Any]] = {}

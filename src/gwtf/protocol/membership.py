@@ -44,6 +44,7 @@ from gwtf.protocol.messages import (
     record,
 )
 from gwtf.protocol.router import PeerInfo
+from gwtf.protocol.view import Roster, mark, pair_score, stage_sizes, stage_threshold
 
 UNKNOWN_STAGE_LOAD = 1e9  # utilisation reported for a stage with no live replica
 
@@ -77,10 +78,21 @@ class MembershipMixin(CoreState):
             if known:
                 out.append(self.send(known[0].id, JoinRequest(peer=to_tuple(self.me))))
             return out
-        self.directory = {p.id: p for p in known if self.keeps(p)}
-        self.directory[self.me.id] = self.me
-        for p in known:
-            out += self._peer_up(p, now)
+        if self.cfg.view_size > 0:
+            # bounded views (protocol.view): O(what this node keeps) from the shared roster
+            roster = known if isinstance(known, Roster) else Roster(known)
+            self.view_sizes = dict(roster.sizes)
+            self.directory = roster.directory(self.me.stage, self.S)
+            self.directory[self.me.id] = self.me
+            self.dhs_cache = None
+            for p in roster.view(self.me, self.S, self.cfg.view_size):
+                out += list(self.router.on_peer_up(p, self.link(p.id), now))
+        else:
+            self.directory = {p.id: p for p in known if self.keeps(p)}
+            self.directory[self.me.id] = self.me
+            self.dhs_cache = None
+            for p in known:
+                out += self._peer_up(p, now)
         self.leader = self._choose_leader()
         return out
 
@@ -92,13 +104,30 @@ class MembershipMixin(CoreState):
         return (p.stage - self.me.stage) % self.S in (0, 1, self.S - 1)
 
     def _peer_up(self, p: PeerInfo, now: float) -> list[Effect]:
-        """Tell the router about a neighbour: previous, same or next stage (cyclic) only."""
+        """Tell the router about a neighbour: previous, same or next stage (cyclic) only, and
+        in this node's view (`protocol.view_size`)."""
         if p.id == self.me.id:
             return []
         gap = (p.stage - self.me.stage) % self.S
-        if gap not in (0, 1, self.S - 1):
+        if gap not in (0, 1, self.S - 1) or not self.in_view(p):
             return []
         return list(self.router.on_peer_up(p, self.link(p.id), now))
+
+    def in_view(self, p: PeerInfo) -> bool:
+        """Does the router see `p`? Always without `view_size`; else a symmetric hash of the two ids
+        against view_size / (the larger stage's size when this node started), protocol.view."""
+        k = self.cfg.view_size
+        if k <= 0 or p.id == self.me.id:
+            return True
+        thr = stage_threshold(k, self.view_sizes, self.me.stage, p.stage, self.S)
+        return thr is None or pair_score(mark(self.me.id), mark(p.id)) < thr
+
+    def data_holders(self) -> frozenset[NodeId]:
+        """The data holders in the directory (cached: every change of the directory clears it)."""
+        dhs = self.dhs_cache
+        if dhs is None:
+            dhs = self.dhs_cache = frozenset(pid for pid, p in self.directory.items() if p.stage == 0)
+        return dhs
 
     def _choose_leader(self) -> NodeId:
         dhs = [pid for pid, p in self.directory.items() if p.stage == 0]
@@ -203,7 +232,7 @@ class MembershipMixin(CoreState):
         if peer not in self.suspects or info is None:
             return []
         self.suspects.discard(peer)
-        return list(self.router.on_peer_up(info, self.link(peer), now))
+        return list(self.router.on_peer_up(info, self.link(peer), now)) if self.in_view(info) else []
 
     def on_suspect_notice(self, sender: NodeId, msg: SuspectNotice, now: float) -> list[Effect]:
         if not self.is_leader or msg.node not in self.directory or msg.node == self.me.id:
@@ -240,6 +269,7 @@ class MembershipMixin(CoreState):
     def peer_down(self, pid: NodeId, now: float) -> list[Effect]:
         """`pid` is gone: drop it, recover every piece of in-flight work that waited on it."""
         info = self.directory.pop(pid, None)
+        self.dhs_cache = None
         if info is None:
             return []
         self.suspects.discard(pid)
@@ -288,6 +318,7 @@ class MembershipMixin(CoreState):
             return [record("activated", node=self.me.id, stage=self.me.stage, version=self.version)]
         if self.keeps(p):
             self.directory[p.id] = p
+            self.dhs_cache = None
         return self._peer_up(p, now)
 
     def on_leave_notice(self, sender: NodeId, msg: LeaveNotice, now: float) -> list[Effect]:
@@ -345,8 +376,11 @@ class MembershipMixin(CoreState):
             set_me = getattr(self.router, "set_me", None)
             if set_me is not None:
                 set_me(self.me)
-        self.directory = {i.id: i for i in map(from_tuple, msg.members) if self.keeps(i)}
+        members = list(map(from_tuple, msg.members))
+        self.view_sizes = stage_sizes(members)
+        self.directory = {i.id: i for i in members if self.keeps(i)}
         self.directory[self.me.id] = self.me
+        self.dhs_cache = None
         self.leader = sender
         self.last_leader_s = now
         self.iteration = msg.iteration

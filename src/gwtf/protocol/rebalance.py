@@ -23,7 +23,8 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +33,7 @@ from gwtf.protocol.core import NodeCore
 from gwtf.protocol.ledger import CoreState, Effect, Policy
 from gwtf.protocol.membership import to_tuple
 from gwtf.protocol.messages import JoinRequest, LeaveNotice, record
-from gwtf.protocol.router import PeerInfo
+from gwtf.protocol.router import LinkEstimate, PeerInfo
 
 __all__ = ["GWTF_REBALANCE_POLICY", "GwtfCore", "RebalanceMixin", "StageMove", "plan_gwtf_move", "stage_times_s"]
 
@@ -69,15 +70,35 @@ class RebalanceMixin(CoreState):
         """Per peer: network seconds of one microbatch (activation in, gradient out), averaged
         over the links from every other member (priors where known, else our measured link)."""
         size = self.train.activation_bytes
+        return self.mean_over_links(
+            members, lambda lk: 2.0 * (lk.latency_s + size / max(lk.bandwidth_bytes_per_s, 1.0)))
+
+    def mean_over_links(self, members: Sequence[PeerInfo], f: Callable[[LinkEstimate], float]) -> dict[NodeId, float]:
+        """Per member p: the mean of f(prior(q, p)) over every other member q, or f(our measured
+        link to p) without a prior. A prior is a function of the two regions (`core.LinkPrior`),
+        so the others are counted per region: O(N x regions) per call, not O(N^2) (a 10,000-node
+        leader plans every period). Summed with `math.fsum`, so the order does not matter."""
         prior = getattr(self, "link_prior", None)
+        if prior is None or len(members) < 2:
+            return {p.id: f(self.link(p.id)) for p in members}
+        count: dict[str, int] = {}
+        first: dict[str, PeerInfo] = {}
+        for q in members:
+            count[q.region] = count.get(q.region, 0) + 1
+            first.setdefault(q.region, q)
+        regions = sorted(count)
+        cache: dict[tuple[str, str], float] = {}
         out: dict[NodeId, float] = {}
         for p in members:
-            if prior is None:
-                links = [self.link(p.id)]
-            else:
-                links = [prior(q, p) for q in members if q.id != p.id] or [self.link(p.id)]
-            one_way = [lk.latency_s + size / max(lk.bandwidth_bytes_per_s, 1.0) for lk in links]
-            out[p.id] = 2.0 * sum(one_way) / len(one_way)
+            terms = []
+            for r in regions:
+                n = count[r] - (r == p.region)
+                if n:
+                    v = cache.get((r, p.region))
+                    if v is None:
+                        v = cache[(r, p.region)] = f(prior(first[r], p))
+                    terms.append(n * v)
+            out[p.id] = math.fsum(terms) / (len(members) - 1)
         return out
 
     def _handle(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
@@ -137,34 +158,44 @@ class MoveInputs:
     min_gain: float
 
 
-def _after_move(inp: MoveInputs, p: PeerInfo, target: int) -> list[PeerInfo]:
-    speed = inp.stage_flops[p.stage] / max(p.compute_s, 1e-12)
-    moved = replace(p, stage=target, compute_s=inp.stage_flops[target] / speed)
-    return [moved if q.id == p.id else q for q in inp.members]
-
-
-def _cost(members: Sequence[PeerInfo], stages: int, inp: MoveInputs) -> tuple[bool, float, int]:
-    """(some stage over capacity, largest stage time, that stage) of a membership."""
-    times = stage_times_s(members, stages, inp.transfer_s)
-    cap = [0] * stages
-    for p in members:
-        cap[p.stage] += p.capacity
-    over = [k for k in range(1, stages) if cap[k] < inp.demand]
+def _worst(rate: list[float], cap: list[int], demand: int) -> tuple[bool, float, int]:
+    """(some stage over capacity, largest stage time, that stage) from per-stage service rates
+    (microbatches/s) and capacities."""
+    stages = len(rate)
+    times = [1.0 / r if r > 0 and k >= 1 else float("inf") for k, r in enumerate(rate)]
+    over = [k for k in range(1, stages) if cap[k] < demand]
     worst = max(range(1, stages), key=lambda k: (k in over, times[k], -k))
     return bool(over), times[worst], worst
 
 
 def plan_gwtf_move(inp: MoveInputs) -> tuple[NodeId, int] | None:
-    """(peer, target stage) or None (see the module docstring for the rule)."""
+    """(peer, target stage) or None (see the module docstring for the rule).
+
+    A move changes only two stages' rates and capacities, so each candidate is priced from the
+    per-stage totals: O(members x stages), not O(members^2) (a 10,000-node leader plans too)."""
     stages = len(inp.stage_flops)
-    over, cost, bottleneck = _cost(inp.members, stages, inp)
-    count = {k: sum(1 for p in inp.members if p.stage == k) for k in range(stages)}
+    rate = [0.0] * stages
+    cap = [0] * stages
+    count = [0] * stages
+    for p in inp.members:
+        count[p.stage] += 1
+        cap[p.stage] += p.capacity
+        if p.stage >= 1:
+            rate[p.stage] += 1.0 / max(p.compute_s + inp.transfer_s.get(p.id, 0.0), 1e-12)
+    over, cost, bottleneck = _worst(rate, cap, inp.demand)
     best: tuple[tuple[bool, float], NodeId] | None = None
     for p in sorted(inp.members, key=lambda q: q.id):
-        if p.stage < 1 or p.stage == bottleneck or count[p.stage] < 2:
+        a = p.stage
+        if a < 1 or a == bottleneck or count[a] < 2:
             continue
-        after = _after_move(inp, p, bottleneck)
-        key = _cost(after, stages, inp)[:2]
+        extra = inp.transfer_s.get(p.id, 0.0)
+        speed = inp.stage_flops[a] / max(p.compute_s, 1e-12)
+        r, c = list(rate), list(cap)
+        r[a] -= 1.0 / max(p.compute_s + extra, 1e-12)
+        r[bottleneck] += 1.0 / max(inp.stage_flops[bottleneck] / speed + extra, 1e-12)
+        c[a] -= p.capacity
+        c[bottleneck] += p.capacity
+        key = _worst(r, c, inp.demand)[:2]
         if best is None or key < best[0]:
             best = (key, p.id)
     if best is None:
@@ -214,13 +245,8 @@ class GwtfCore(RebalanceMixin, NodeCore):
     def _download_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
         """Per peer: seconds to fetch the largest stage state at its mean link bandwidth."""
         biggest = max(self.train.stage_state_bytes)
-        out: dict[NodeId, float] = {}
-        for p in members:
-            links = [self.link_prior(q, p) for q in members if q.id != p.id] if self.link_prior else []
-            bws = [lk.bandwidth_bytes_per_s for lk in links] or [self.link(p.id).bandwidth_bytes_per_s]
-            bw = sum(bws) / len(bws)
-            out[p.id] = biggest / max(bw, 1.0)
-        return out
+        bw = self.mean_over_links(members, lambda lk: lk.bandwidth_bytes_per_s)
+        return {pid: biggest / max(b, 1.0) for pid, b in bw.items()}
 
     def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
         """A moving peer serves the stage it was sent to; a new node joins the bottleneck."""

@@ -27,6 +27,7 @@ from gwtf.protocol.core import NodeCore, make_router
 from gwtf.protocol.ledger import Policy, TrainParams
 from gwtf.protocol.messages import Compute, Record
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
+from gwtf.protocol.view import Roster
 from gwtf.sim.churn import ChurnEvent, join_times, link_windows, node_lifetime_event, read_trace
 from gwtf.sim.engine import Engine
 from gwtf.sim.invariants import InvariantChecker
@@ -120,8 +121,10 @@ class Simulator:
         for info in infos:
             flops = self.train.stage_flops[info.stage]
             self._add_core(info, flops / info.compute_s)
+        # with bounded views every core builds its tables from one shared index (O(N K), not O(N^2))
+        known: list[PeerInfo] | Roster = Roster(infos) if self.sc.protocol.view_size > 0 else infos
         for info in infos:
-            self._apply(info.id, self.cores[info.id].on_start(0.0, infos))
+            self._apply(info.id, self.cores[info.id].on_start(0.0, known))  # type: ignore[arg-type]
         horizon = self.sc.sim.max_time_s
         if self.sc.churn.trace:
             for ev in read_trace(self.sc.churn.trace):

@@ -1,0 +1,92 @@
+"""Bounded views (`protocol.view_size`, protocol.view): each router sees about K peers of each
+neighbouring stage, both ends agree on every edge, the shared roster's vectorised start gives
+the same views as the per-peer rule used for later joins, and training under churn keeps every
+invariant with views much smaller than the stages."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import numpy as np
+import pytest
+
+from gwtf.errors import UserError
+from gwtf.protocol.view import Roster, _pair_scores, mark, pair_score, view_threshold
+from gwtf.sim.scenario import load_scenario
+from gwtf.sim.simulator import Simulator, get_system, run_scenario
+
+SHAPE = ['model.preset="tiny"', "model.seq_len=64", "model.microbatch_size=4", "model.stages=4",
+         "nodes.count=400", "nodes.data_holders=8", "nodes.relay_capacity=[1, 3]"]
+
+
+def _started(view_size: int, router: str = "flow") -> Simulator:
+    sc = load_scenario(None, [*SHAPE, f"protocol.view_size={view_size}", f'protocol.router="{router}"'])
+    sim = Simulator(sc, 3, get_system("gwtf", sc))
+    sim.start()
+    return sim
+
+
+def test_vectorised_scores_equal_the_scalar_rule() -> None:
+    rng = random.Random(5)
+    ids = [f"n{rng.randrange(10**9)}" for _ in range(500)]
+    marks = np.array([mark(i) for i in ids], dtype=np.uint64)
+    a = mark("me")
+    assert [int(v) for v in _pair_scores(marks, a)] == [pair_score(a, mark(i)) for i in ids]
+    assert all(pair_score(mark(i), a) == pair_score(a, mark(i)) for i in ids)
+
+
+def test_views_are_symmetric_bounded_and_match_the_per_peer_rule() -> None:
+    k = 16
+    sim = _started(k)
+    cores = sim.cores
+    sizes: list[int] = []
+    for nid, core in cores.items():
+        agent = core.router
+        for peer in agent.next_peers:  # type: ignore[attr-defined]
+            assert nid in cores[peer].router.prev_peers, (nid, peer)  # type: ignore[attr-defined]
+        for peer in agent.prev_peers:  # type: ignore[attr-defined]
+            assert nid in cores[peer].router.next_peers, (nid, peer)  # type: ignore[attr-defined]
+        # the roster's start equals the rule a node applies to a peer it hears of later
+        near = {p for p in core.directory.values() if (p.stage - core.me.stage) % 4 in (0, 1, 3) and p.id != nid}
+        seen = set(agent.next_peers) | set(agent.prev_peers) | set(agent.same_peers)  # type: ignore[attr-defined]
+        assert seen == {p.id for p in near if core.in_view(p)}
+        if 0 < core.me.stage < 3:
+            sizes.append(len(agent.next_peers))  # type: ignore[attr-defined]
+        elif core.me.stage == 3:  # the way back: every data holder
+            assert len(agent.next_peers) == 8  # type: ignore[attr-defined]
+    relays_per_stage = (400 - 8) / 3
+    assert relays_per_stage > 5 * k
+    assert 0.7 * k < statistics.mean(sizes) < 1.3 * k, statistics.mean(sizes)
+    assert min(sizes) >= 1
+
+
+def test_no_view_or_a_small_stage_means_everyone() -> None:
+    assert view_threshold(0, 500, 500) is None
+    assert view_threshold(16, 10, 16) is None
+    assert view_threshold(16, 10, 17) is not None
+    sim = _started(0, router="greedy")
+    core = next(c for c in sim.cores.values() if c.me.stage == 1)
+    assert len(core.router._peers) == sum(1 for c in sim.cores.values() if c.me.stage == 2)  # type: ignore[attr-defined]
+    roster = Roster([c.me for c in sim.cores.values()])
+    everyone = {p.id for p in roster.members if p.stage in (0, 1, 2) and p.id != core.me.id}
+    assert {p.id for p in roster.view(core.me, 4, 0)} == everyone
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_training_under_churn_with_small_views_keeps_every_invariant(seed: int) -> None:
+    sc = load_scenario(None, [
+        'model.preset="tiny"', "model.seq_len=64", "model.microbatch_size=4", "model.stages=3",
+        "nodes.count=200", "nodes.data_holders=4", "nodes.relay_capacity=[1, 3]", "train.iterations=4",
+        "train.microbatches=2", "protocol.view_size=16", "churn.crash_rate_per_hour=3.0",
+        "churn.join_rate_per_hour=200.0", "sim.max_time_s=20000.0",
+    ])
+    summary, _ = run_scenario(sc, seed)
+    assert summary["finished"], summary
+    assert summary["invariant_violations"] == 0, summary["violations"]
+    assert summary["crashes"] > 0
+
+
+def test_a_view_too_small_to_be_safe_is_refused() -> None:
+    with pytest.raises(UserError, match="protocol.view_size"):
+        load_scenario(None, ["protocol.view_size=15"])
