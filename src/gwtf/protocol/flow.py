@@ -152,7 +152,7 @@ class FlowAgent(FlowAnneal):
         for pid, nb in self.next_peers.items():
             if pid in banned:
                 continue
-            adv = nb.adv.get(origin, INF)
+            adv = nb.cost_of(origin)
             rank = (0, nb.cost_s + adv, pid) if adv < INF else (1, nb.cost_s, pid)
             if best is None or rank < best:
                 best = rank
@@ -272,7 +272,7 @@ class FlowAgent(FlowAnneal):
         for pid, nb in self.next_peers.items():
             if not nb.has_capacity or pid in skip:
                 continue
-            adv = nb.adv.get(origin, INF)
+            adv = nb.cost_of(origin)
             if adv < INF and (best is None or (nb.cost_s + adv, pid) < best):
                 best = (nb.cost_s + adv, pid)
         return best[1] if best is not None else None

@@ -94,7 +94,7 @@ class FlowAnneal(FlowSwap):
     def _dh_blocked(self) -> bool:
         """A data holder that wants more flows but no next-stage peer can take one."""
         return self._spare() > 0 and not any(
-            nb.has_capacity and nb.adv.get(self.me.id, INF) < INF for nb in self.next_peers.values()
+            nb.has_capacity and nb.cost_of(self.me.id) < INF for nb in self.next_peers.values()
         )
 
     def _cool(self, peer: NodeId) -> None:

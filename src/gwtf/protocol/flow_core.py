@@ -30,6 +30,31 @@ FlowKey = tuple[NodeId, int]
 """A flow's name: (origin data holder, flow id chosen by that data holder)."""
 
 
+_TARGETS: dict[tuple[str, ...], tuple[str, ...]] = {}  # one shared object per target tuple
+_INDEX: dict[int, tuple[tuple[str, ...], dict[str, int]]] = {}  # id(targets) -> (targets, position)
+
+
+def shared_targets(targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The one tuple object equal to `targets` (every node of a swarm advertises the same sorted
+    data holders: one object, one position index, instead of one per advert)."""
+    hit = _TARGETS.get(targets)
+    if hit is None:
+        if len(_TARGETS) > 4096:
+            _TARGETS.clear()
+        hit = _TARGETS[targets] = targets
+    return hit
+
+
+def _position(targets: tuple[str, ...]) -> dict[str, int]:
+    """target -> its index in `targets` (memoised per tuple object; a pure function)."""
+    hit = _INDEX.get(id(targets))
+    if hit is None or hit[0] is not targets:
+        if len(_INDEX) > 4096:
+            _INDEX.clear()
+        hit = _INDEX[id(targets)] = (targets, {t: i for i, t in enumerate(targets)})
+    return hit[1]
+
+
 @dataclass(slots=True)
 class Neighbour:
     """A prev / same / next-stage peer and what this node knows of it.
@@ -53,6 +78,15 @@ class Neighbour:
         if d is None:
             d = self.adv_dict = dict(zip(*self.vec)) if self.vec is not None else {}
         return d
+
+    def cost_of(self, target: NodeId) -> float:
+        """Its advertised cost to `target` (inf when it advertised none), without building `adv`."""
+        vec = self.vec
+        if vec is not None:
+            i = _position(vec[0]).get(target)
+            return INF if i is None else vec[1][i]
+        d = self.adv_dict
+        return d.get(target, INF) if d else INF
 
     def heard(self) -> bool:
         """Has it advertised anything (that I still hold)?"""
@@ -286,7 +320,7 @@ class FlowCore:
         if self.costs_dirty:
             self.costs_dirty = False
             costs = self._current_costs()
-            targets = tuple(sorted(costs))
+            targets = shared_targets(tuple(sorted(costs)))
             self._costs = (targets, tuple(costs[t] for t in targets))
         return self._costs
 
