@@ -1,7 +1,7 @@
 """Simulator scale: events, wall and CPU time, events/s and peak memory of one scenario, per variant.
 
 Usage: `python benchmarks/sim_scale.py [--scenario configs/scenarios/scale-1k.toml]
-[--iterations 2] [--seed 1] [--variants scenario,fixed-tick,greedy]`.
+[--iterations 2] [--seed 1] [--variants scenario,fixed-tick,greedy,view-32,all-peers]`.
 
 Each variant runs the same scenario and seed in its own process (so peak RSS is its own) with a
 few overrides:
@@ -10,7 +10,9 @@ few overrides:
 - `fixed-tick`: gwtf's flow router with a fixed tick and exact adverts (`flow.tick_max_s = 0`,
   `flow.advert_tolerance = 0`, the defaults of every other scenario);
 - `greedy`: the greedy router (no routing protocol traffic at all), a floor for the training
-  protocol's own cost.
+  protocol's own cost;
+- `view-32` / `all-peers`: routers see ~32 peers of each neighbouring stage / all of them
+  (`protocol.view_size`, docs/protocol.md "Bounded views"; scale-10k ships with 32).
 Ratios are against the first variant. The machine may be shared: compare within one run.
 """
 
@@ -27,6 +29,8 @@ VARIANTS = {
     "scenario": [],
     "fixed-tick": ["flow.tick_max_s=0.0", "flow.advert_tolerance=0.0"],
     "greedy": ['protocol.router="greedy"'],
+    "view-32": ["protocol.view_size=32"],
+    "all-peers": ["protocol.view_size=0"],
 }
 CHILD = r"""
 import json, resource, sys, time

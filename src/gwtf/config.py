@@ -188,6 +188,9 @@ class ProtocolConfig:
         _require(0.0 < self.ema_alpha <= 1.0, "protocol.ema_alpha", "must be in (0, 1]")
         _require(self.evict_after_s > self.heartbeat_period_s, "protocol.evict_after_s",
                  "must be > protocol.heartbeat_period_s")
+        # a node must vote for a new leader before it gives up on the swarm as partitioned
+        _require(self.partition_timeout_s > self.evict_after_s, "protocol.partition_timeout_s",
+                 "must be > protocol.evict_after_s")
         _require(self.checkpoint_every >= 1, "protocol.checkpoint_every", "must be >= 1")
         _require(self.swarm_rebalance_period_s >= 0, "protocol.swarm_rebalance_period_s", "must be >= 0")
         _require(self.swarm_ban_s >= 0, "protocol.swarm_ban_s", "must be >= 0")

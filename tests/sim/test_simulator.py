@@ -98,6 +98,7 @@ def test_random_churn_rates_run_clean() -> None:
     ("nodes.bogus=1", "nodes.bogus"),
     ("nodes.count=4", "nodes.count"),  # 4 nodes - 3 DHs = 1 relay for 2 relay stages
     ("protocol.evict_after_s=0.5", "protocol.evict_after_s"),
+    ("protocol.evict_after_s=90.0", "protocol.partition_timeout_s"),  # a leader crash would stop every node
     ('faults=[{event="crash", when=3}]', "when"),
 ])
 def test_bad_scenarios_name_the_key(override: str, key: str) -> None:
