@@ -44,7 +44,7 @@ from gwtf.protocol.messages import (
     record,
 )
 from gwtf.protocol.router import PeerInfo
-from gwtf.protocol.view import Roster, mark, pair_score, stage_sizes, stage_threshold
+from gwtf.protocol.view import Roster, mark, min_id, pair_score, stage_sizes, stage_threshold
 
 UNKNOWN_STAGE_LOAD = 1e9  # utilisation reported for a stage with no live replica
 
@@ -84,7 +84,7 @@ class MembershipMixin(CoreState):
             self.view_sizes = dict(roster.sizes)
             self.directory = roster.directory(self.me.stage, self.S)
             self.directory[self.me.id] = self.me
-            self.dhs_cache = None
+            self.dhs_cache = roster.data_holders  # every node keeps exactly the roster's data holders
             for p in roster.view(self.me, self.S, self.cfg.view_size):
                 out += list(self.router.on_peer_up(p, self.link(p.id), now))
         else:
@@ -130,8 +130,8 @@ class MembershipMixin(CoreState):
         return dhs
 
     def _choose_leader(self) -> NodeId:
-        dhs = [pid for pid, p in self.directory.items() if p.stage == 0]
-        return min(dhs) if dhs else ""
+        dhs = self.data_holders()
+        return min_id(dhs) if dhs else ""
 
     # ---- heartbeats --------------------------------------------------------------------
 

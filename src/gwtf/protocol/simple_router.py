@@ -79,21 +79,25 @@ class GreedyRouter:
     def next_hop(
         self, flow_id: int, prev: NodeId, origin: NodeId, exclude: Iterable[NodeId], now: float
     ) -> tuple[NodeId, int] | None:
-        banned = set(exclude)
-        best: tuple[bool, float, NodeId] | None = None
+        # the least (over capacity, cost x (1 + load / capacity), id), compared field by field
+        banned = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        peers, assigned = self._peers, self._assigned
+        best: NodeId | None = None
+        b_full, b_cost = True, 0.0
         for pid, cost in self._cost.items():
             if pid in banned:
                 continue
-            info = self._peers[pid][0]
-            load = self._assigned.get(pid, 0)
-            key = (load >= info.capacity, cost * (1.0 + load / max(1, info.capacity)), pid)
-            if best is None or key < best:
-                best = key
+            cap = peers[pid][0].capacity
+            load = assigned.get(pid, 0)
+            full = load >= cap
+            c = cost * (1.0 + load / max(1, cap))
+            if best is None or (full < b_full) or (
+                    full == b_full and (c < b_cost or (c == b_cost and pid < best))):
+                best, b_full, b_cost = pid, full, c
         if best is None:
             return None
-        pid = best[2]
-        self._assigned[pid] = self._assigned.get(pid, 0) + 1
-        return pid, flow_id
+        assigned[best] = assigned.get(best, 0) + 1
+        return best, flow_id
 
     # -- optional hook -----------------------------------------------------------------------
 
