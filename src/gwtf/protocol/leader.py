@@ -264,8 +264,7 @@ class LeaderMixin(CoreState):
         return []
 
     def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Effect]:
-        self.directory[pid] = info
-        self.dhs_cache = None
+        self._dir_set(info)  # type: ignore[attr-defined]
         out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.L_t)]
         out += self._broadcast(MemberUp(peer=to_tuple(info)), include_self=False)
         # Members activated between this joiner's Welcome and now were announced before it was a

@@ -138,7 +138,9 @@ class CoreState:
         self.dhs_cache: frozenset[NodeId] | None = None  # MembershipMixin.data_holders
         self.links: dict[NodeId, LinkEstimate] = {}
         self.suspects: set[NodeId] = set()
-        self.view_sizes: dict[int, int] = {}  # stage sizes this node's view is drawn against
+        self.view_sizes: dict[int, int] = {}  # stage sizes when this node started or joined (views)
+        self.live_sizes: dict[int, int] = {}  # ... and now, in its directory (kept with views only)
+        self._view_seen: dict[int, int | None] = {}  # most inclusive view threshold used, per stage
         self.leader: NodeId = ""
         self._job_seq = 0
         self.jobs: dict[int, tuple[str, Any]] = {}

@@ -85,6 +85,9 @@ class MembershipMixin(CoreState):
             self.directory = roster.directory(self.me.stage, self.S)
             self.directory[self.me.id] = self.me
             self.dhs_cache = roster.data_holders  # every node keeps exactly the roster's data holders
+            kept = range(self.S) if self.me.stage == 0 else self._near_stages() | {0}
+            self.live_sizes = {t: roster.sizes[t] for t in kept if t in roster.sizes}
+            self._view_seen = {t: self._view_threshold(t) for t in self._near_stages()}
             for p in roster.view(self.me, self.S, self.cfg.view_size):
                 out += list(self.router.on_peer_up(p, self.link(p.id), now))
         else:
@@ -116,11 +119,54 @@ class MembershipMixin(CoreState):
     def in_view(self, p: PeerInfo) -> bool:
         """Does the router see `p`? Always without `view_size`; else a symmetric hash of the two ids
         against view_size / (the larger stage's size when this node started), protocol.view."""
-        k = self.cfg.view_size
-        if k <= 0 or p.id == self.me.id:
+        if self.cfg.view_size <= 0 or p.id == self.me.id:
             return True
-        thr = stage_threshold(k, self.view_sizes, self.me.stage, p.stage, self.S)
+        thr = self._view_threshold(p.stage)
         return thr is None or pair_score(mark(self.me.id), mark(p.id)) < thr
+
+    def _near_stages(self) -> set[int]:
+        return {(self.me.stage - 1) % self.S, self.me.stage, (self.me.stage + 1) % self.S}
+
+    def _view_threshold(self, stage: int) -> int | None:
+        """The view threshold between my stage and `stage`, from each stage's size when I started
+        or joined, or its live size in my directory when that is smaller: a stage that lost most
+        of its nodes is seen by more of its neighbours (whole once it is no larger than K)."""
+        frozen, live = self.view_sizes, self.live_sizes
+        sizes = {t: min(frozen.get(t, 0), live.get(t, 0)) for t in (self.me.stage, stage)}
+        return stage_threshold(self.cfg.view_size, sizes, self.me.stage, stage, self.S)
+
+    def _dir_set(self, p: PeerInfo) -> None:
+        """Put `p` in the directory, keeping the data-holder cache and live stage sizes right."""
+        old = self.directory.get(p.id)
+        self.directory[p.id] = p
+        self.dhs_cache = None
+        if self.cfg.view_size > 0:
+            live = self.live_sizes
+            if old is not None:
+                live[old.stage] = live.get(old.stage, 0) - 1
+            live[p.stage] = live.get(p.stage, 0) + 1
+
+    def _widen(self, now: float) -> list[Effect]:
+        """A neighbouring stage shrank: where its threshold grew by a quarter or more (or became
+        'everyone'), tell the router of the peers that just came into view. Views never shrink
+        back when a stage regrows; new members are then drawn at the current threshold."""
+        out: list[Effect] = []
+        for t in sorted(self._near_stages()):
+            seen = self._view_seen.get(t)
+            if seen is None:
+                continue
+            new = self._view_threshold(t)
+            if new is not None and new < seen * 1.25:
+                continue
+            self._view_seen[t] = new
+            a = mark(self.me.id)
+            for pid in sorted(self.directory):
+                p = self.directory[pid]
+                if p.stage == t and pid != self.me.id and pid not in self.suspects:
+                    score = pair_score(a, mark(pid))
+                    if score >= seen and (new is None or score < new):
+                        out += self._peer_up(p, now)
+        return out
 
     def data_holders(self) -> frozenset[NodeId]:
         """The data holders in the directory (cached: every change of the directory clears it)."""
@@ -274,6 +320,9 @@ class MembershipMixin(CoreState):
             return []
         self.suspects.discard(pid)
         out: list[Effect] = list(self.router.on_peer_down(pid, now))
+        if self.cfg.view_size > 0:
+            self.live_sizes[info.stage] = self.live_sizes.get(info.stage, 0) - 1
+            out += self._widen(now)
         for n in sorted(self.legs):
             leg = self.legs[n]
             out += self._recover_rec(leg, n, pid, now)
@@ -317,8 +366,7 @@ class MembershipMixin(CoreState):
             self.iteration = self.version
             return [record("activated", node=self.me.id, stage=self.me.stage, version=self.version)]
         if self.keeps(p):
-            self.directory[p.id] = p
-            self.dhs_cache = None
+            self._dir_set(p)
         return self._peer_up(p, now)
 
     def on_leave_notice(self, sender: NodeId, msg: LeaveNotice, now: float) -> list[Effect]:
@@ -381,6 +429,9 @@ class MembershipMixin(CoreState):
         self.directory = {i.id: i for i in members if self.keeps(i)}
         self.directory[self.me.id] = self.me
         self.dhs_cache = None
+        if self.cfg.view_size > 0:
+            self.live_sizes = stage_sizes(self.directory.values())
+            self._view_seen = {t: self._view_threshold(t) for t in self._near_stages()}
         self.leader = sender
         self.last_leader_s = now
         self.iteration = msg.iteration
