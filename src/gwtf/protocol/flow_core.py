@@ -319,10 +319,51 @@ class FlowCore:
         """(targets, costs) sorted by target; recomputed only when something it depends on changed."""
         if self.costs_dirty:
             self.costs_dirty = False
-            costs = self._current_costs()
-            targets = shared_targets(tuple(sorted(costs)))
-            self._costs = (targets, tuple(costs[t] for t in targets))
+            fast = None if self.is_last else self._one_group_costs()
+            if fast is not None:
+                self._costs = fast
+            else:
+                costs = self._current_costs()
+                targets = shared_targets(tuple(sorted(costs)))
+                self._costs = (targets, tuple(costs[t] for t in targets))
         return self._costs
+
+    def _one_group_costs(self) -> tuple[tuple[str, ...], tuple[float, ...]] | None:
+        """`_current_costs` for the usual case, kept in numpy end to end: every next peer that
+        advertised named the same targets, one shared sorted tuple (`shared_targets`), so the
+        result is already in target order. None when that does not hold (the general path then
+        runs). Same floats as the general path: the same adds and mins, in IEEE double."""
+        peers: list[Neighbour] = []
+        targets: tuple[str, ...] | None = None
+        for nb in self.next_peers.values():
+            vec = nb.vec
+            if vec is None:
+                if nb.adv_dict:
+                    return None  # a peer known by single entries only
+                continue
+            if targets is None:
+                targets = vec[0]
+                if _TARGETS.get(targets) is not targets:
+                    return None  # not a tuple this process sorted and shared
+            elif vec[0] is not targets:
+                return None
+            peers.append(nb)
+        if targets is None:
+            return None
+        tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]] = {}
+        if len(peers) == 1:
+            mins = peers[0].cost_s + np.asarray(peers[0].vec[1], dtype=np.float64)  # type: ignore[index]
+        else:
+            table = self._table(targets, peers, tables)
+            cost = np.array([nb.cost_s for nb in peers], dtype=np.float64)
+            mins = (table + cost[:, None]).min(axis=0)
+        self._tables = tables
+        self._fresh_adverts.clear()
+        finite = mins < INF
+        if bool(finite.all()):
+            return targets, tuple(mins.tolist())
+        kept = tuple(t for t, ok in zip(targets, finite.tolist()) if ok)
+        return shared_targets(kept), tuple(mins[finite].tolist())
 
     def cost_to(self, target: NodeId) -> float:
         targets, costs = self._cost_vector()
@@ -429,7 +470,9 @@ class FlowCore:
         old = self._advertised
         if tol <= 0.0 or old is None or old[0] != state[0] or old[2] != state[2]:
             return False
-        return all(abs(c - p) <= tol * p for c, p in zip(state[1], old[1]))
+        new_c = np.asarray(state[1], dtype=np.float64)
+        old_c = np.asarray(old[1], dtype=np.float64)
+        return bool(np.all(np.abs(new_c - old_c) <= tol * old_c))  # the same IEEE ops as per entry
 
     def _hold_first_advert(self) -> bool:
         """At start, wait (up to 3 ticks) until every next-stage peer has advertised: one complete
