@@ -12,7 +12,7 @@ few overrides:
 - `greedy`: the greedy router (no routing protocol traffic at all), a floor for the training
   protocol's own cost;
 - `view-32` / `all-peers`: routers see ~32 peers of each neighbouring stage / all of them
-  (`protocol.view_size`, docs/protocol.md "Bounded views"; scale-10k ships with 32).
+  (`protocol.view_size`, docs/protocol.md "Bounded views"; both scale scenarios ship with 32).
 Ratios are against the first variant. The machine may be shared: compare within one run.
 """
 
