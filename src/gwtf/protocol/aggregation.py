@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.base import IdentityMemo, NodeId, log
 from gwtf.protocol.ledger import NONE, CoreState, Effect
 from gwtf.protocol.messages import (
     Collect,
@@ -59,23 +59,16 @@ class CommitDigest:
     reducer: NodeId  # the lowest-id replica
 
 
-_DIGESTS: dict[int, tuple[Commit, CommitDigest]] = {}
-
-
-def digest(c: Commit) -> CommitDigest:
-    """`CommitDigest` of `c`, memoised by identity (a pure function). In a simulation every
-    replica of a stage holds the same Commit object: one O(replicas) pass per stage instead of
-    several per replica, and per share at the reducer (that was O(replicas^2) per iteration)."""
-    hit = _DIGESTS.get(id(c))
-    if hit is not None and hit[0] is c:
-        return hit[1]
+def _digest(c: Commit) -> CommitDigest:
     positive = tuple(n for n, k in c.contributors if k > 0)
-    d = CommitDigest(dict(c.contributors), positive, frozenset(positive),
-                     sum(k for _, k in c.contributors), min(c.replicas))
-    if len(_DIGESTS) > 1024:
-        _DIGESTS.clear()
-    _DIGESTS[id(c)] = (c, d)
-    return d
+    return CommitDigest(dict(c.contributors), positive, frozenset(positive),
+                        sum(k for _, k in c.contributors), min(c.replicas))
+
+
+digest: IdentityMemo[Commit, CommitDigest] = IdentityMemo(_digest, limit=1024)
+"""`CommitDigest` of a Commit, once per message object. In a simulation every replica of a stage
+holds the same Commit: one O(replicas) pass per stage instead of several per replica, and per
+share at the reducer (that was O(replicas^2) per iteration)."""
 
 
 @dataclass(frozen=True, slots=True)

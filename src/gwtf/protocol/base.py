@@ -16,16 +16,42 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 NodeId = str
 """A node's id: unique in the swarm, stable for the node's life (a rejoin gets a new id)."""
 
 M = TypeVar("M", bound="type[Message]")
+K = TypeVar("K")
+V = TypeVar("V")
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
 """Registry: message TYPE name -> class. Filled by the `@message` decorator at import time."""
+
+
+class IdentityMemo(Generic[K, V]):
+    """`fn(obj)` memoised by the object's identity, for a pure `fn` of an immutable object that
+    many cores share in one process (a simulation hands every receiver the same message or
+    tuple): computed once per object instead of once per core. The entry holds the object, so
+    its id cannot be reused while cached; the cache is dropped whole past `limit` entries."""
+
+    __slots__ = ("_fn", "_limit", "_cache")
+
+    def __init__(self, fn: Callable[[K], V], limit: int = 4096) -> None:
+        self._fn, self._limit = fn, limit
+        self._cache: dict[int, tuple[K, V]] = {}
+
+    def __call__(self, obj: K) -> V:
+        hit = self._cache.get(id(obj))
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        value = self._fn(obj)
+        if len(self._cache) > self._limit:
+            self._cache.clear()
+        self._cache[id(obj)] = (obj, value)
+        return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 from gwtf.config import FlowConfig
 from gwtf.flow.cost import edge_cost_s
-from gwtf.protocol.base import Message, NodeId, Send, SetTimer
+from gwtf.protocol.base import IdentityMemo, Message, NodeId, Send, SetTimer
 from gwtf.protocol.flow_messages import INF_COST_S, FlowAdvert, FlowCancel, FlowCost, FlowSwitch
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 
@@ -31,7 +31,6 @@ FlowKey = tuple[NodeId, int]
 
 
 _TARGETS: dict[tuple[str, ...], tuple[str, ...]] = {}  # one shared object per target tuple
-_INDEX: dict[int, tuple[tuple[str, ...], dict[str, int]]] = {}  # id(targets) -> (targets, position)
 
 
 def shared_targets(targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -45,14 +44,9 @@ def shared_targets(targets: tuple[str, ...]) -> tuple[str, ...]:
     return hit
 
 
-def _position(targets: tuple[str, ...]) -> dict[str, int]:
-    """target -> its index in `targets` (memoised per tuple object; a pure function)."""
-    hit = _INDEX.get(id(targets))
-    if hit is None or hit[0] is not targets:
-        if len(_INDEX) > 4096:
-            _INDEX.clear()
-        hit = _INDEX[id(targets)] = (targets, {t: i for i, t in enumerate(targets)})
-    return hit[1]
+_position: IdentityMemo[tuple[str, ...], dict[str, int]] = IdentityMemo(
+    lambda targets: {t: i for i, t in enumerate(targets)})
+"""target -> its index in a target tuple (one dict per shared tuple object)."""
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from gwtf.protocol.base import NodeId
+from gwtf.protocol.base import IdentityMemo, NodeId
 from gwtf.protocol.router import PeerInfo
 
 MASK64 = (1 << 64) - 1
@@ -74,18 +74,8 @@ def stage_threshold(view_size: int, sizes: dict[int, int], stage_a: int, stage_b
     return view_threshold(view_size, sizes.get(stage_a, 0), sizes.get(stage_b, 0))
 
 
-_MIN: dict[int, tuple[frozenset[str], str]] = {}
-
-
-def min_id(ids: frozenset[NodeId]) -> NodeId:
-    """min(ids), memoised per set object (every core started from one roster shares its
-    data-holder set: one O(N) pass instead of one per core)."""
-    hit = _MIN.get(id(ids))
-    if hit is None or hit[0] is not ids:
-        if len(_MIN) > 1024:
-            _MIN.clear()
-        hit = _MIN[id(ids)] = (ids, min(ids))
-    return hit[1]
+min_id: IdentityMemo[frozenset[NodeId], NodeId] = IdentityMemo(min, limit=1024)
+"""min(ids), once per set object: every core started from one roster shares its data-holder set."""
 
 
 def stage_sizes(members: Iterable[PeerInfo]) -> dict[int, int]:
