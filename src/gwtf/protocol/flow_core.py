@@ -54,8 +54,9 @@ class Neighbour:
     """A prev / same / next-stage peer and what this node knows of it.
 
     Its advertised costs are kept as the advert's columns (`vec`); the dict view `adv` is built
-    only when first needed, since most adverts are superseded before anything looks them up. After a single-entry update (a refusal's fresh cost) the dict is the
-    only truth and `vec` is None.
+    only when first needed, since most adverts are superseded before anything looks them up.
+    After a single-entry update (a refusal's fresh cost) the dict is the only truth and `vec` is
+    None.
     """
 
     info: PeerInfo
@@ -345,12 +346,7 @@ class FlowCore:
         if targets is None:
             return None
         tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]] = {}
-        if len(peers) == 1:
-            mins = peers[0].cost_s + np.asarray(peers[0].vec[1], dtype=np.float64)  # type: ignore[index]
-        else:
-            table = self._table(targets, peers, tables)
-            cost = np.array([nb.cost_s for nb in peers], dtype=np.float64)
-            mins = (table + cost[:, None]).min(axis=0)
+        mins = self._group_mins(targets, peers, tables)
         self._tables = tables
         self._fresh_adverts.clear()
         finite = mins < INF
@@ -393,13 +389,7 @@ class FlowCore:
                 loose.append(nb)
         best: dict[NodeId, float] = {}
         for targets, peers in groups.items():
-            if len(peers) == 1:
-                c0 = peers[0].cost_s
-                mins = [c0 + c for c in peers[0].vec[1]]  # type: ignore[index]
-            else:
-                table = self._table(targets, peers, tables)
-                cost = np.array([nb.cost_s for nb in peers], dtype=np.float64)
-                mins = (table + cost[:, None]).min(axis=0).tolist()
+            mins = self._group_mins(targets, peers, tables).tolist()
             if not best:
                 best = {t: v for t, v in zip(targets, mins) if v < INF}
                 continue
@@ -415,6 +405,16 @@ class FlowCore:
         self._tables = tables
         self._fresh_adverts.clear()
         return best
+
+    def _group_mins(self, targets: tuple[str, ...], peers: list[Neighbour],
+                    tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]]) -> Any:
+        """Per target: the least d(me, peer) + the peer's advertised cost over `peers`, which all
+        advertised `targets` (a numpy array; IEEE adds and mins, so equal to the per-entry loop)."""
+        if len(peers) == 1:
+            return peers[0].cost_s + np.asarray(peers[0].vec[1], dtype=np.float64)  # type: ignore[index]
+        table = self._table(targets, peers, tables)
+        cost = np.array([nb.cost_s for nb in peers], dtype=np.float64)
+        return (table + cost[:, None]).min(axis=0)
 
     def _table(self, targets: tuple[str, ...], peers: list[Neighbour],
                tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]]) -> Any:

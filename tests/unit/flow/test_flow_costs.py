@@ -1,7 +1,8 @@
-"""The flow agent's distance vector (`_current_costs`, cached tables patched per advert) equals
-the plain definition min over next peers of d(me, n) + adv_n(t), through a seeded random history
-of adverts (changing target sets), single-entry refusal updates, link changes, departures and
-arrivals."""
+"""The flow agent's distance vector (`_current_costs`, cached tables patched per advert, and
+`_cost_vector`, which takes a numpy path when every peer advertised one shared target tuple)
+equals the plain definition min over next peers of d(me, n) + adv_n(t), through a seeded random
+history of adverts (changing target sets, shared or not), single-entry refusal updates, link
+changes, departures and arrivals."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from gwtf.config import FlowConfig
 from gwtf.protocol.flow import FlowAgent
-from gwtf.protocol.flow_core import INF
+from gwtf.protocol.flow_core import INF, shared_targets
 from gwtf.protocol.flow_messages import FlowAdvert
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 
@@ -53,8 +54,16 @@ def test_cost_vector_equals_the_plain_definition(seed: int) -> None:
             agent.costs_dirty = True
         else:
             targets = tuple(sorted(rng.sample(holders, rng.choice((12, 12, 12, 8)))))
+            if rng.random() < 0.7:  # as a simulated swarm sends them: the advertiser's shared tuple
+                targets = shared_targets(targets)
             costs = tuple(rng.choice((INF, rng.uniform(0.0, 5.0))) if rng.random() < 0.1 else rng.uniform(0.0, 5.0)
                           for _ in targets)
             agent.on_message(rng.choice(live), FlowAdvert(targets, costs, True), now)
-        if rng.random() < 0.5:
+        roll = rng.random()
+        if roll < 0.4:
             assert agent._current_costs() == _plain(agent), f"step {step}"
+        elif roll < 0.8:
+            agent.costs_dirty = True
+            targets, costs = agent._cost_vector()
+            assert dict(zip(targets, costs)) == _plain(agent), f"step {step}"
+            assert list(targets) == sorted(targets)
