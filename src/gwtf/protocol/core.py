@@ -32,6 +32,7 @@ from gwtf.protocol.membership import MembershipMixin
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 from gwtf.protocol.simple_router import GreedyRouter
 from gwtf.protocol.training import TrainingMixin
+from gwtf.protocol.view import Roster
 
 __all__ = ["NodeCore", "Policy", "TrainParams", "make_router"]
 
@@ -113,8 +114,9 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
 
     # ---- driver API --------------------------------------------------------------------
 
-    def on_start(self, now: float, known_peers: list[PeerInfo]) -> list[Effect]:
-        """Bootstrap: sim passes the initial members; a joiner (stage -1) passes one contact."""
+    def on_start(self, now: float, known_peers: list[PeerInfo] | Roster) -> list[Effect]:
+        """Bootstrap: sim passes the initial members (as a shared `Roster` with bounded views); a
+        joiner (stage -1) passes one contact."""
         out = self.membership_start(now, known_peers)
         out += list(self.router.on_start(now))
         if self.me.stage == 0 and self.leader == self.me.id:

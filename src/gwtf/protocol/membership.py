@@ -19,6 +19,7 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -44,7 +45,7 @@ from gwtf.protocol.messages import (
     record,
 )
 from gwtf.protocol.router import PeerInfo
-from gwtf.protocol.view import Roster, mark, min_id, pair_score, stage_sizes, stage_threshold
+from gwtf.protocol.view import Roster, mark, min_id, near_stages, pair_score, stage_sizes, stage_threshold
 
 UNKNOWN_STAGE_LOAD = 1e9  # utilisation reported for a stage with no live replica
 
@@ -62,7 +63,7 @@ class MembershipMixin(CoreState):
 
     is_leader: bool = False
 
-    def membership_start(self, now: float, known: list[PeerInfo]) -> list[Effect]:
+    def membership_start(self, now: float, known: list[PeerInfo] | Roster) -> list[Effect]:
         self.last_leader_s = now
         self.last_hb: dict[NodeId, float] = {}
         self.pending_joiners: set[NodeId] = set()
@@ -73,14 +74,15 @@ class MembershipMixin(CoreState):
         self.voted_for: NodeId = ""
         self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / max(self.me.compute_s, 1e-9)
         out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
+        members: Sequence[PeerInfo] = known.members if isinstance(known, Roster) else known
         if self.me.stage < 0:
             out.append(record("join_start", node=self.me.id))
-            if known:
-                out.append(self.send(known[0].id, JoinRequest(peer=to_tuple(self.me))))
+            if members:
+                out.append(self.send(members[0].id, JoinRequest(peer=to_tuple(self.me))))
             return out
         if self.cfg.view_size > 0:
             # bounded views (protocol.view): O(what this node keeps) from the shared roster
-            roster = known if isinstance(known, Roster) else Roster(known)
+            roster = known if isinstance(known, Roster) else Roster(members)
             self.view_sizes = dict(roster.sizes)
             self.directory = roster.directory(self.me.stage, self.S)
             self.directory[self.me.id] = self.me
@@ -91,10 +93,10 @@ class MembershipMixin(CoreState):
             for p in roster.view(self.me, self.S, self.cfg.view_size):
                 out += list(self.router.on_peer_up(p, self.link(p.id), now))
         else:
-            self.directory = {p.id: p for p in known if self.keeps(p)}
+            self.directory = {p.id: p for p in members if self.keeps(p)}
             self.directory[self.me.id] = self.me
             self.dhs_cache = None
-            for p in known:
+            for p in members:
                 out += self._peer_up(p, now)
         self.leader = self._choose_leader()
         return out
@@ -118,14 +120,14 @@ class MembershipMixin(CoreState):
 
     def in_view(self, p: PeerInfo) -> bool:
         """Does the router see `p`? Always without `view_size`; else a symmetric hash of the two ids
-        against view_size / (the larger stage's size when this node started), protocol.view."""
+        against the stage pair's threshold (`_view_threshold`, protocol.view)."""
         if self.cfg.view_size <= 0 or p.id == self.me.id:
             return True
         thr = self._view_threshold(p.stage)
         return thr is None or pair_score(mark(self.me.id), mark(p.id)) < thr
 
     def _near_stages(self) -> set[int]:
-        return {(self.me.stage - 1) % self.S, self.me.stage, (self.me.stage + 1) % self.S}
+        return near_stages(self.me.stage, self.S)
 
     def _view_threshold(self, stage: int) -> int | None:
         """The view threshold between my stage and `stage`, from each stage's size when I started
@@ -145,6 +147,14 @@ class MembershipMixin(CoreState):
             if old is not None:
                 live[old.stage] = live.get(old.stage, 0) - 1
             live[p.stage] = live.get(p.stage, 0) + 1
+
+    def _dir_drop(self, pid: NodeId) -> PeerInfo | None:
+        """Take `pid` out of the directory (the counterpart of `_dir_set`)."""
+        info = self.directory.pop(pid, None)
+        self.dhs_cache = None
+        if info is not None and self.cfg.view_size > 0:
+            self.live_sizes[info.stage] = self.live_sizes.get(info.stage, 0) - 1
+        return info
 
     def _widen(self, now: float) -> list[Effect]:
         """A neighbouring stage shrank: where its threshold grew by a quarter or more (or became
@@ -314,14 +324,12 @@ class MembershipMixin(CoreState):
 
     def peer_down(self, pid: NodeId, now: float) -> list[Effect]:
         """`pid` is gone: drop it, recover every piece of in-flight work that waited on it."""
-        info = self.directory.pop(pid, None)
-        self.dhs_cache = None
+        info = self._dir_drop(pid)
         if info is None:
             return []
         self.suspects.discard(pid)
         out: list[Effect] = list(self.router.on_peer_down(pid, now))
         if self.cfg.view_size > 0:
-            self.live_sizes[info.stage] = self.live_sizes.get(info.stage, 0) - 1
             out += self._widen(now)
         for n in sorted(self.legs):
             leg = self.legs[n]
@@ -425,11 +433,11 @@ class MembershipMixin(CoreState):
             if set_me is not None:
                 set_me(self.me)
         members = list(map(from_tuple, msg.members))
-        self.view_sizes = stage_sizes(members)
         self.directory = {i.id: i for i in members if self.keeps(i)}
         self.directory[self.me.id] = self.me
         self.dhs_cache = None
         if self.cfg.view_size > 0:
+            self.view_sizes = stage_sizes(members)
             self.live_sizes = stage_sizes(self.directory.values())
             self._view_seen = {t: self._view_threshold(t) for t in self._near_stages()}
         self.leader = sender

@@ -6,7 +6,7 @@ that starting N cores costs O(N x what each keeps), not O(N^2).
 
 With `protocol.view_size = K > 0`, node a lists peer b of an adjacent (or its own) stage iff
 `pair_score(a, b) < K / max(n_a, n_b)`, n_x the size of x's stage when the node started (or
-joined). Both ends compute the same predicate without a message, so the neighbourhood graph is
+joined), or its live size when that is smaller (`MembershipMixin._view_threshold`). Both ends compute the same predicate without a message, so the neighbourhood graph is
 symmetric: if a routes to b, b advertises to a. Each node sees about K peers of each neighbouring
 stage, a random graph (an expander with high probability), the partial view gossip systems and
 SWARM's DHT lookups give their peers. `K = 0` (the default) or a stage no larger than K: everyone.
@@ -78,6 +78,11 @@ min_id: IdentityMemo[frozenset[NodeId], NodeId] = IdentityMemo(min, limit=1024)
 """min(ids), once per set object: every core started from one roster shares its data-holder set."""
 
 
+def near_stages(stage: int, stages: int) -> set[int]:
+    """The previous, same and next stage of `stage` (cyclic): whom a node's router can see."""
+    return {(stage - 1) % stages, stage, (stage + 1) % stages}
+
+
 def stage_sizes(members: Iterable[PeerInfo]) -> dict[int, int]:
     sizes: dict[int, int] = {}
     for p in members:
@@ -102,25 +107,19 @@ class Roster:
         self._everyone = {p.id: p for p in self.members}
         self.data_holders = frozenset(p.id for p in self.members if p.stage == 0)
 
-    def __len__(self) -> int:
-        return len(self.members)
-
-    def __getitem__(self, i: int) -> PeerInfo:
-        return self.members[i]
-
     def directory(self, stage: int, stages: int) -> dict[NodeId, PeerInfo]:
         """What a node of `stage` keeps (`MembershipMixin.keeps`): a data holder everyone, a relay
         the data holders and its previous, same and next stage. A fresh dict."""
         if stage == 0:
             return dict(self._everyone)
         out = dict(self._stage_dicts.get(0, {}))
-        for s in sorted({(stage - 1) % stages, stage, (stage + 1) % stages}):
+        for s in sorted(near_stages(stage, stages)):
             out.update(self._stage_dicts.get(s, {}))
         return out
 
     def view(self, me: PeerInfo, stages: int, view_size: int) -> list[PeerInfo]:
         """The members of the previous, same and next stage in `me`'s view, in roster order."""
-        near = sorted({(me.stage - 1) % stages, me.stage, (me.stage + 1) % stages})
+        near = sorted(near_stages(me.stage, stages))
         picked: list[np.ndarray] = []
         a = mark(me.id)
         for s in near:

@@ -124,7 +124,7 @@ class Simulator:
         # with bounded views every core builds its tables from one shared index (O(N K), not O(N^2))
         known: list[PeerInfo] | Roster = Roster(infos) if self.sc.protocol.view_size > 0 else infos
         for info in infos:
-            self._apply(info.id, self.cores[info.id].on_start(0.0, known))  # type: ignore[arg-type]
+            self._apply(info.id, self.cores[info.id].on_start(0.0, known))
         horizon = self.sc.sim.max_time_s
         if self.sc.churn.trace:
             for ev in read_trace(self.sc.churn.trace):
