@@ -135,13 +135,26 @@ class RebalanceMixin(CoreState):
 # ---------------------------------------------------------------------------------------------
 
 
-def stage_times_s(members: Sequence[PeerInfo], stages: int, transfer_s: dict[NodeId, float]) -> list[float]:
-    """Estimated seconds per microbatch of each relay stage (stage 0 and empty stages: inf)."""
+def _rate(compute_s: float, transfer_s: float) -> float:
+    """Microbatches per second one replica serves."""
+    return 1.0 / max(compute_s + transfer_s, 1e-12)
+
+
+def _stage_rates(members: Sequence[PeerInfo], stages: int, transfer_s: dict[NodeId, float]) -> list[float]:
     rate = [0.0] * stages
     for p in members:
         if p.stage >= 1:
-            rate[p.stage] += 1.0 / max(p.compute_s + transfer_s.get(p.id, 0.0), 1e-12)
+            rate[p.stage] += _rate(p.compute_s, transfer_s.get(p.id, 0.0))
+    return rate
+
+
+def _times(rate: list[float]) -> list[float]:
     return [1.0 / r if r > 0 and k >= 1 else float("inf") for k, r in enumerate(rate)]
+
+
+def stage_times_s(members: Sequence[PeerInfo], stages: int, transfer_s: dict[NodeId, float]) -> list[float]:
+    """Estimated seconds per microbatch of each relay stage (stage 0 and empty stages: inf)."""
+    return _times(_stage_rates(members, stages, transfer_s))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,7 +175,7 @@ def _worst(rate: list[float], cap: list[int], demand: int) -> tuple[bool, float,
     """(some stage over capacity, largest stage time, that stage) from per-stage service rates
     (microbatches/s) and capacities."""
     stages = len(rate)
-    times = [1.0 / r if r > 0 and k >= 1 else float("inf") for k, r in enumerate(rate)]
+    times = _times(rate)
     over = [k for k in range(1, stages) if cap[k] < demand]
     worst = max(range(1, stages), key=lambda k: (k in over, times[k], -k))
     return bool(over), times[worst], worst
@@ -174,14 +187,12 @@ def plan_gwtf_move(inp: MoveInputs) -> tuple[NodeId, int] | None:
     A move changes only two stages' rates and capacities, so each candidate is priced from the
     per-stage totals: O(members x stages), not O(members^2) (a 10,000-node leader plans too)."""
     stages = len(inp.stage_flops)
-    rate = [0.0] * stages
+    rate = _stage_rates(inp.members, stages, inp.transfer_s)
     cap = [0] * stages
     count = [0] * stages
     for p in inp.members:
         count[p.stage] += 1
         cap[p.stage] += p.capacity
-        if p.stage >= 1:
-            rate[p.stage] += 1.0 / max(p.compute_s + inp.transfer_s.get(p.id, 0.0), 1e-12)
     over, cost, bottleneck = _worst(rate, cap, inp.demand)
     best: tuple[tuple[bool, float], NodeId] | None = None
     for p in sorted(inp.members, key=lambda q: q.id):
@@ -191,8 +202,8 @@ def plan_gwtf_move(inp: MoveInputs) -> tuple[NodeId, int] | None:
         extra = inp.transfer_s.get(p.id, 0.0)
         speed = inp.stage_flops[a] / max(p.compute_s, 1e-12)
         r, c = list(rate), list(cap)
-        r[a] -= 1.0 / max(p.compute_s + extra, 1e-12)
-        r[bottleneck] += 1.0 / max(inp.stage_flops[bottleneck] / speed + extra, 1e-12)
+        r[a] -= _rate(p.compute_s, extra)
+        r[bottleneck] += _rate(inp.stage_flops[bottleneck] / speed, extra)
         c[a] -= p.capacity
         c[bottleneck] += p.capacity
         key = _worst(r, c, inp.demand)[:2]
