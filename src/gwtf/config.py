@@ -178,6 +178,7 @@ class ProtocolConfig:
     rebalance_period_s: float = 300.0  # gwtf: at most one relay moves to the bottleneck stage per period (0: off)
     rebalance_min_gain: float = 0.02  # gwtf: a move must cut the estimated cost per microbatch by this fraction
     view_size: int = 0  # routers see ~this many peers of each neighbouring stage (0: all; >= 16; protocol.view)
+    reduce_fanout: int = 0  # the reduced gradient goes out down a tree of this fan-out (0: the reducer sends to all)
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_period_s", "suspect_after_s", "evict_after_s", "deadline_floor_s",
@@ -198,6 +199,8 @@ class ProtocolConfig:
         _require(0.0 <= self.rebalance_min_gain < 1.0, "protocol.rebalance_min_gain", "must be in [0, 1)")
         # a node sees none of a stage of n > K peers with probability ~exp(-K): 16 keeps it ~1e-7
         _require(self.view_size == 0 or self.view_size >= 16, "protocol.view_size", "must be 0 (all) or >= 16")
+        _require(self.reduce_fanout == 0 or self.reduce_fanout >= 2, "protocol.reduce_fanout",
+                 "must be 0 (the reducer sends to every replica) or >= 2")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -56,8 +56,8 @@ def _fault(rng: random.Random, nodes: list[str], stages: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Long mode: `python tests/sim/faultgen.py --seeds N [--first K] [--nodes 120 --view-size 16]`;
-    exit 1 on any violation."""
+    """Long mode: `python tests/sim/faultgen.py --seeds N [--first K] [--nodes 120 --view-size 16]
+    [--reduce-fanout 2]`; exit 1 on any violation."""
     import argparse
 
     from gwtf.sim.scenario import load_scenario
@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", default="gwtf")
     parser.add_argument("--nodes", type=int, default=0, help="more nodes than the schedule's own shape")
     parser.add_argument("--view-size", type=int, default=0, help="protocol.view_size (bounded views)")
+    parser.add_argument("--reduce-fanout", type=int, default=0, help="protocol.reduce_fanout (broadcast tree)")
     args = parser.parse_args(argv)
-    extra = ([f"nodes.count={args.nodes}"] if args.nodes else []) + [f"protocol.view_size={args.view_size}"]
+    extra = ([f"nodes.count={args.nodes}"] if args.nodes else []) + [f"protocol.view_size={args.view_size}",
+                                                                     f"protocol.reduce_fanout={args.reduce_fanout}"]
     bad = 0
     for seed in range(args.first, args.first + args.seeds):
         summary, _ = run_scenario(load_scenario(None, random_schedule(seed) + extra), seed, args.system)

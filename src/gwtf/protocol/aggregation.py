@@ -57,18 +57,39 @@ class CommitDigest:
     positive_set: frozenset[NodeId]
     total: int
     reducer: NodeId  # the lowest-id replica
+    order: tuple[NodeId, ...]  # the other replicas, sorted: the broadcast tree's nodes in order
+    pos: dict[NodeId, int]  # replica -> its index in `order`
 
 
 def _digest(c: Commit) -> CommitDigest:
     positive = tuple(n for n, k in c.contributors if k > 0)
+    reducer = min(c.replicas)
+    order = tuple(sorted(r for r in c.replicas if r != reducer))
     return CommitDigest(dict(c.contributors), positive, frozenset(positive),
-                        sum(k for _, k in c.contributors), min(c.replicas))
+                        sum(k for _, k in c.contributors), reducer, order, {r: i for i, r in enumerate(order)})
 
 
 digest: IdentityMemo[Commit, CommitDigest] = IdentityMemo(_digest, limit=1024)
 """`CommitDigest` of a Commit, once per message object. In a simulation every replica of a stage
 holds the same Commit: one O(replicas) pass per stage instead of several per replica, and per
 share at the reducer (that was O(replicas^2) per iteration)."""
+
+
+def tree_children(d: CommitDigest, node: NodeId, fanout: int) -> tuple[NodeId, ...]:
+    """Who `node` passes the reduced gradient on to. `fanout` 0: the reducer sends it to every
+    replica itself. `fanout` k >= 2: a k-ary tree over `d.order` rooted at the reducer (the
+    reducer feeds order[0:k]; order[j] feeds order[(j+1)k:(j+2)k]), so no uplink carries more
+    than k copies and the last replica has it after ~log_k(replicas) hops."""
+    if fanout <= 0:
+        return d.order if node == d.reducer else ()
+    i = 0 if node == d.reducer else d.pos[node] + 1
+    return d.order[i * fanout:(i + 1) * fanout]
+
+
+def tree_parent(d: CommitDigest, node: NodeId, fanout: int) -> NodeId:
+    """Whom a replica (not the reducer) receives the reduced gradient from (see `tree_children`)."""
+    j = d.pos[node]
+    return d.reducer if fanout <= 0 or j < fanout else d.order[j // fanout - 1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +226,9 @@ class AggregationMixin(CoreState):
 
     def on_commit(self, sender: NodeId, msg: Commit, now: float) -> list[Effect]:
         """Gather-reduce-broadcast: contributors send their gradient to the stage's reducer (the
-        lowest-id replica), which sums them in sorted replica order and sends the mean back, so
-        every replica applies the bit-identical gradient with O(replicas) messages."""
+        lowest-id replica), which sums them in sorted replica order and sends the mean back
+        (itself, or down a tree with `protocol.reduce_fanout`), so every replica applies the
+        bit-identical gradient with O(replicas) messages."""
         if msg.iteration != self.iteration or not self.active:
             return []
         self.commit = msg
@@ -216,7 +238,7 @@ class AggregationMixin(CoreState):
         if self.reducer == self.me.id:
             self.need = {n for n in d.positive if n != self.me.id}
         else:
-            self.need = {self.reducer}  # the reduced gradient
+            self.need = {tree_parent(d, self.me.id, self.cfg.reduce_fanout)}  # the reduced gradient
         self.need_count = len(self.need)
         out: list[Effect] = []
         if self.me.id in d.positive_set:
@@ -277,16 +299,25 @@ class AggregationMixin(CoreState):
                         size_bytes=size)
         self.have_round = rnd
         out: list[Effect] = [self.send(self.leader, Have(iteration=c.iteration, round=rnd))]
-        return out + [self.send(r, msg) for r in c.replicas if r != self.me.id]
+        return out + [self.send(r, msg) for r in tree_children(digest(c), self.me.id, self.cfg.reduce_fanout)]
 
     def _maybe_have(self, now: float) -> list[Effect]:
+        """A replica got the reduced gradient from its parent: pass it on to its own children
+        (with a broadcast tree) and tell the leader."""
         c = self.commit
         if c is None or self.have_round == c.round or self.reducer == self.me.id:
             return []
-        if self.reducer not in self.shares.get(c.round, set()):
+        if not self.need <= self.shares.get(c.round, set()):
             return []
         self.have_round = c.round
-        return [self.send(self.leader, Have(iteration=c.iteration, round=c.round))]
+        out: list[Effect] = [self.send(self.leader, Have(iteration=c.iteration, round=c.round))]
+        d = digest(c)
+        children = tree_children(d, self.me.id, self.cfg.reduce_fanout)
+        if children:
+            msg = GradShare(iteration=c.iteration, round=c.round, key=self._rkey(c), count=d.total,
+                            size_bytes=self.train.stage_grad_bytes[self.me.stage])
+            out += [self.send(r, msg) for r in children]
+        return out
 
     def on_step(self, sender: NodeId, msg: Step, now: float) -> list[Effect]:
         if msg.iteration != self.iteration or self.version != msg.iteration:

@@ -13,7 +13,7 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
-from gwtf.protocol.aggregation import Contrib, plan_redo
+from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.ledger import NONE, CoreState, Effect
 from gwtf.protocol.membership import from_tuple, to_tuple
@@ -58,6 +58,7 @@ class LeaderMixin(CoreState):
         self.L_waiting_joiners: set[NodeId] = set()
         self.L_lost_from = NONE
         self.L_reducers: dict[int, NodeId] = {}
+        self.L_commits: dict[int, Commit] = {}
         self.L_contributors: set[NodeId] = set()
         self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}  # type: ignore[misc]
         if recovering:
@@ -188,6 +189,7 @@ class LeaderMixin(CoreState):
         self.L_commit_set = set(self.directory)
         out: list[Effect] = []
         self.L_reducers = {}
+        self.L_commits = {}
         self.L_contributors = set()
         for stage, members in enumerate(self._stage_members()):
             contributors = tuple((p, len(contrib[p][1])) for p in members if contrib[p][1])
@@ -197,16 +199,23 @@ class LeaderMixin(CoreState):
             out.append(record("decision", iteration=self.L_t, round=self.L_round, stage=stage,
                               contributions=mbs, expected=tuple(sorted(self.L_expected.items()))))
             msg = Commit(iteration=self.L_t, round=self.L_round, contributors=contributors, replicas=tuple(members))
+            self.L_commits[stage] = msg
             out += [self.send(p, msg) for p in members]
         return out
 
     def _commit_broken(self, pid: NodeId, stage: int) -> bool:
-        """A death during commit forces a new round only if it was the stage's reducer, or a
-        contributor whose gradient the reducer may not hold yet (its Have not received)."""
+        """A death during commit forces a new round only if it was the stage's reducer, a
+        contributor whose gradient the reducer may not hold yet (its Have not received), or a
+        broadcast-tree parent with a child that has not said Have (it may never get the gradient)."""
         reducer = self.L_reducers.get(stage)
         if pid == reducer:
             return True
-        return pid in self.L_contributors and reducer not in self.L_haves
+        if pid in self.L_contributors and reducer not in self.L_haves:
+            return True
+        c = self.L_commits.get(stage)
+        if c is None or pid not in c.replicas:
+            return False
+        return not set(tree_children(digest(c), pid, self.cfg.reduce_fanout)) <= self.L_haves
 
     def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
         if not self.is_leader or self.L_phase != "commit" or msg.round != self.L_round:
