@@ -36,6 +36,7 @@ from gwtf.model.data import TokenDataset, load_dataset
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute
 from gwtf.runtime.tensor_sim import (
+    ComputeFault,
     StageWeights,
     TensorRun,
     TensorSimulator,
@@ -221,3 +222,24 @@ def test_a_joiner_takes_real_state_and_stays_identical(setup: Setup) -> None:
     assert run.crashed == [setup.built[0].by_stage[1][0]]
     assert "j1" in run.weights
     assert _problems(run, _stage_weights(setup.no_churn), _initial(setup)) == []
+
+
+def test_a_broadcast_tree_passes_the_real_reduced_gradient_on(setup: Setup) -> None:
+    """`protocol.reduce_fanout = 2` on 12 nodes (5 replicas a relay stage, so inner replicas
+    forward the reduced gradient they stored): without churn, and with relays crashing at random
+    protocol points for 4 seeds, every survivor ends with the reference weights."""
+    sc = load_scenario(None, [*SCENARIO, "nodes.count=12", "protocol.reduce_fanout=2"])
+    built = build(sc, INSTANCE_SEED)
+    assert min(len(nodes) for nodes in built[0].by_stage[1:]) >= 4
+    initial = frozenset(built[0].by_id)
+    failures = []
+    for seed in range(5):
+        faults: list[Fault] = []
+        cfaults: list[ComputeFault] = []
+        if seed:
+            faults, cfaults, _ = relay_crash_schedule(random.Random(f"tree:{seed}"), built[0].by_stage,
+                                                      float(setup.no_churn.summary["training_time_s"]), 6, 3)
+        run = run_with_tensors(replace(sc, faults=tuple(faults)), seed, setup.cfg, setup.dataset, built=built,
+                               compute_faults=cfaults)
+        failures += [f"seed {seed}: {p}" for p in _problems(run, setup.reference, initial)]
+    assert failures == [], "\n".join(failures)
