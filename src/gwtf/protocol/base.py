@@ -53,6 +53,12 @@ class IdentityMemo(Generic[K, V]):
         self._cache[id(obj)] = (obj, value)
         return value
 
+    def put(self, obj: K, value: V) -> None:
+        """Record `value` as `fn(obj)`, when the caller already holds it (it must be equal)."""
+        if len(self._cache) > self._limit:
+            self._cache.clear()
+        self._cache[id(obj)] = (obj, value)
+
 
 @dataclass(frozen=True, slots=True)
 class Message:

@@ -49,6 +49,18 @@ _position: IdentityMemo[tuple[str, ...], dict[str, int]] = IdentityMemo(
 """target -> its index in a target tuple (one dict per shared tuple object)."""
 
 
+def _frozen_array(costs: tuple[float, ...]) -> Any:
+    a = np.asarray(costs, dtype=np.float64)
+    a.flags.writeable = False
+    return a
+
+
+_arrays: IdentityMemo[tuple[float, ...], Any] = IdentityMemo(_frozen_array, limit=8192)
+"""A cost tuple as a read-only float64 array, once per tuple object. The advertiser seeds it
+with the array its tuple came from, so in a simulation the ~32 receivers of one advert (and the
+advertiser's own tolerance test) convert nothing; the values are the tuple's exactly."""
+
+
 @dataclass(slots=True)
 class Neighbour:
     """A prev / same / next-stage peer and what this node knows of it.
@@ -350,10 +362,13 @@ class FlowCore:
         self._tables = tables
         self._fresh_adverts.clear()
         finite = mins < INF
-        if bool(finite.all()):
-            return targets, tuple(mins.tolist())
-        kept = tuple(t for t, ok in zip(targets, finite.tolist()) if ok)
-        return shared_targets(kept), tuple(mins[finite].tolist())
+        if not bool(finite.all()):
+            targets = shared_targets(tuple(t for t, ok in zip(targets, finite.tolist()) if ok))
+            mins = mins[finite]
+        costs = tuple(mins.tolist())
+        mins.flags.writeable = False
+        _arrays.put(costs, mins)
+        return targets, costs
 
     def cost_to(self, target: NodeId) -> float:
         targets, costs = self._cost_vector()
@@ -411,7 +426,7 @@ class FlowCore:
         """Per target: the least d(me, peer) + the peer's advertised cost over `peers`, which all
         advertised `targets` (a numpy array; IEEE adds and mins, so equal to the per-entry loop)."""
         if len(peers) == 1:
-            return peers[0].cost_s + np.asarray(peers[0].vec[1], dtype=np.float64)  # type: ignore[index]
+            return peers[0].cost_s + _arrays(peers[0].vec[1])  # type: ignore[index]
         table = self._table(targets, peers, tables)
         cost = np.array([nb.cost_s for nb in peers], dtype=np.float64)
         return (table + cost[:, None]).min(axis=0)
@@ -427,10 +442,10 @@ class FlowCore:
             for pid in self._fresh_adverts:
                 i = index.get(pid)
                 if i is not None:
-                    table[i] = peers[i].vec[1]  # type: ignore[index]
+                    table[i] = _arrays(peers[i].vec[1])  # type: ignore[index]
         else:
             index = {pid: i for i, pid in enumerate(ids)}
-            table = np.array([nb.vec[1] for nb in peers], dtype=np.float64)  # type: ignore[index]
+            table = np.vstack([_arrays(nb.vec[1]) for nb in peers])  # type: ignore[index]
         tables[targets] = (ids, index, table)
         return table
 
@@ -464,8 +479,8 @@ class FlowCore:
         old = self._advertised
         if tol <= 0.0 or old is None or old[0] != state[0] or old[2] != state[2]:
             return False
-        new_c = np.asarray(state[1], dtype=np.float64)
-        old_c = np.asarray(old[1], dtype=np.float64)
+        new_c = _arrays(state[1])
+        old_c = _arrays(old[1])
         return bool(np.all(np.abs(new_c - old_c) <= tol * old_c))  # the same IEEE ops as per entry
 
     def _hold_first_advert(self) -> bool:
