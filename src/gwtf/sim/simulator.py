@@ -93,8 +93,7 @@ class Simulator:
         self.metrics = Metrics(self.train.tokens_per_microbatch)
         self.cores: dict[str, NodeCore] = {}
         self.dead_at: dict[str, float] = {}
-        self.timers: dict[tuple[str, Any], int] = {}
-        self._token = 0
+        self.timers: dict[tuple[str, Any], int] = {}  # (node, key) -> engine handle of its pending timer
         self._joins = 0
         self.finished = False
         self.stage_lost = False
@@ -170,12 +169,16 @@ class Simulator:
             t = type(e)
             if t is Send:
                 self._send(node, e.to, e.msg, now)
-            elif t is SetTimer:
-                self._token = token = self._token + 1
-                self.timers[(node, e.key)] = token
-                self.engine.schedule(e.at, self._fire, node, e.key, token)
+            elif t is SetTimer:  # one pending timer per (node, key): a new one replaces it
+                key = (node, e.key)
+                old = self.timers.get(key)
+                if old is not None:
+                    self.engine.cancel(old)
+                self.timers[key] = self.engine.schedule(e.at, self._fire, node, e.key)
             elif t is CancelTimer:
-                self.timers.pop((node, e.key), None)
+                old = self.timers.pop((node, e.key), None)
+                if old is not None:
+                    self.engine.cancel(old)
             elif t is Compute:
                 if e.kind == "step":
                     self.pending_steps += 1
@@ -216,10 +219,8 @@ class Simulator:
         if core is not None:
             self._apply(src, core.on_send_failed(dst, msg, self.engine.now))
 
-    def _fire(self, node: str, key: Any, token: int) -> None:
-        if self.timers.get((node, key)) != token:
-            return
-        del self.timers[(node, key)]
+    def _fire(self, node: str, key: Any) -> None:
+        del self.timers[(node, key)]  # a replaced or cancelled timer never fires (Engine.cancel)
         core = self.cores.get(node)
         if core is not None:
             self._apply(node, core.on_timer(key, self.engine.now))
