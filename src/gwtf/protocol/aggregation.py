@@ -261,8 +261,15 @@ class AggregationMixin(CoreState):
             return self._maybe_reduce(now)
         count = digest(c).counts.get(self.me.id, 0)
         size = self.train.stage_grad_bytes[self.me.stage]
-        return [self.send(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
-                                                  size_bytes=size))]
+        return [self._send_share(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
+                                                         size_bytes=size), now)]
+
+    def _send_share(self, to: NodeId, msg: GradShare, now: float) -> Effect:
+        """Send a gradient, booking its bytes on our model of our uplink: the activations and
+        gradients sent after it wait behind it, and their ack deadlines and bandwidth samples
+        must know (else a forwarder's next Forward looks like a slow link)."""
+        self.reserve_uplink(to, msg.size_bytes, now)
+        return self.send(to, msg)
 
     def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
         if msg.iteration != self.iteration:
@@ -299,7 +306,7 @@ class AggregationMixin(CoreState):
                         size_bytes=size)
         self.have_round = rnd
         out: list[Effect] = [self.send(self.leader, Have(iteration=c.iteration, round=rnd))]
-        return out + [self.send(r, msg) for r in tree_children(digest(c), self.me.id, self.cfg.reduce_fanout)]
+        return out + [self._send_share(r, msg, now) for r in tree_children(digest(c), self.me.id, self.cfg.reduce_fanout)]
 
     def _maybe_have(self, now: float) -> list[Effect]:
         """A replica got the reduced gradient from its parent: pass it on to its own children
@@ -316,7 +323,7 @@ class AggregationMixin(CoreState):
         if children:
             msg = GradShare(iteration=c.iteration, round=c.round, key=self._rkey(c), count=d.total,
                             size_bytes=self.train.stage_grad_bytes[self.me.stage])
-            out += [self.send(r, msg) for r in children]
+            out += [self._send_share(r, msg, now) for r in children]
         return out
 
     def on_step(self, sender: NodeId, msg: Step, now: float) -> list[Effect]:
