@@ -185,6 +185,17 @@ def test_relay_crashes_at_random_points_keep_exactly_once(setup: Setup) -> None:
     assert {"reroute", "redo_inflight", "redo_aggregation"} <= paths, paths  # every recovery path ran
 
 
+def test_a_restart_after_its_redo_holder_died_keeps_exactly_once(setup: Setup) -> None:
+    """Seed 137 of the long test: an in-flight redo chain of (n0, 0, 0) ends at a relay that then
+    crashes. The data holder's deadline restarted the microbatch as that same chain, ending at
+    the dead holder, every 60 s: a livelock until the run's time limit. Rerunning the whole
+    pipeline instead ran the loss twice (the head's gradient counted twice: stage 0 off by 63%).
+    The restart now ends at the data holder's own cached loss gradient."""
+    failures, runs = _churn_seeds(setup, range(137, 138), victims=4)
+    assert failures == [], "\n".join(failures)
+    assert runs[0].summary["counters"].get("mb_restart", 0) >= 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_relay_crashes_many_seeds(setup: Setup) -> None:

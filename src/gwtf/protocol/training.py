@@ -441,6 +441,12 @@ class TrainingMixin(CoreState):
                 o.excl.add(o.next)
             if len(o.excl) > 8:
                 o.excl.clear()
+            if o.until != NONE and not o.agg and o.holder not in self.directory:
+                # an in-flight redo chain whose holder died (its cached gradient with it): ending
+                # the restart there again would fail every time (a livelock). End it at our own
+                # cached loss gradient if we have one (a second loss would count the head's
+                # gradient twice), else run the whole pipeline.
+                o.until, o.holder = (self.S, self.me.id) if mb in self.grad_cache else (NONE, "")
             out.append(self.cancel(("ackf", mb)))
             return out + [record("mb_restart", node=self.me.id, mb=mb)] + self._resend(o, now)
         if o.phase in ("loss", "backward", "gradwait", "embed_bwd"):
