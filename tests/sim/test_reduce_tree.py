@@ -58,7 +58,7 @@ def test_a_tree_parent_dying_with_the_gradient_forces_a_new_round() -> None:
     for their Have forever (a progress violation)."""
     sc = load_scenario(None, [*SHAPE, "protocol.reduce_fanout=2"])
     sim = Simulator(sc, 1, get_system("gwtf", sc))
-    deliver, crashed = sim._deliver, []
+    deliver, crashed = sim._deliver, []  # the crashed inner node
 
     def deliver_then_crash(src: str, dst: str, msg: object, left_s: float) -> None:
         deliver(src, dst, msg, left_s)  # type: ignore[arg-type]
@@ -66,7 +66,7 @@ def test_a_tree_parent_dying_with_the_gradient_forces_a_new_round() -> None:
         if crashed or core is None or type(msg) is not GradShare or msg.key[0] != "rgrad" or core.commit is None:
             return
         if tree_children(digest(core.commit), dst, 2):
-            crashed.append((dst, core.commit.round))
+            crashed.append(dst)
             sim.crash(dst)
 
     sim._deliver = deliver_then_crash  # type: ignore[method-assign]

@@ -261,15 +261,8 @@ class AggregationMixin(CoreState):
             return self._maybe_reduce(now)
         count = digest(c).counts.get(self.me.id, 0)
         size = self.train.stage_grad_bytes[self.me.stage]
-        return [self._send_share(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
+        return [self.send_booked(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
                                                          size_bytes=size), now)]
-
-    def _send_share(self, to: NodeId, msg: GradShare, now: float) -> Effect:
-        """Send a gradient, booking its bytes on our model of our uplink: the activations and
-        gradients sent after it wait behind it, and their ack deadlines and bandwidth samples
-        must know (else a forwarder's next Forward looks like a slow link)."""
-        self.reserve_uplink(to, msg.size_bytes, now)
-        return self.send(to, msg)
 
     def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
         if msg.iteration != self.iteration:
@@ -301,29 +294,28 @@ class AggregationMixin(CoreState):
         c = self.commit
         if c is None or c.round != rnd:
             return []
-        size = self.train.stage_grad_bytes[self.me.stage]
-        msg = GradShare(iteration=c.iteration, round=rnd, key=self._rkey(c), count=digest(c).total,
-                        size_bytes=size)
-        self.have_round = rnd
-        out: list[Effect] = [self.send(self.leader, Have(iteration=c.iteration, round=rnd))]
-        return out + [self._send_share(r, msg, now) for r in tree_children(digest(c), self.me.id, self.cfg.reduce_fanout)]
+        return self._have(c, now)
 
     def _maybe_have(self, now: float) -> list[Effect]:
-        """A replica got the reduced gradient from its parent: pass it on to its own children
-        (with a broadcast tree) and tell the leader."""
+        """A replica got the reduced gradient from its parent (`need`)."""
         c = self.commit
         if c is None or self.have_round == c.round or self.reducer == self.me.id:
             return []
         if not self.need <= self.shares.get(c.round, set()):
             return []
+        return self._have(c, now)
+
+    def _have(self, c: Commit, now: float) -> list[Effect]:
+        """I hold the reduced gradient of `c`'s round: tell the leader, and pass it on to my
+        children in the broadcast tree (every other replica when I am the reducer of a star)."""
         self.have_round = c.round
-        out: list[Effect] = [self.send(self.leader, Have(iteration=c.iteration, round=c.round))]
         d = digest(c)
+        out: list[Effect] = [self.send(self.leader, Have(iteration=c.iteration, round=c.round))]
         children = tree_children(d, self.me.id, self.cfg.reduce_fanout)
         if children:
             msg = GradShare(iteration=c.iteration, round=c.round, key=self._rkey(c), count=d.total,
                             size_bytes=self.train.stage_grad_bytes[self.me.stage])
-            out += [self._send_share(r, msg, now) for r in children]
+            out += [self.send_booked(r, msg, now) for r in children]
         return out
 
     def on_step(self, sender: NodeId, msg: Step, now: float) -> list[Effect]:

@@ -57,8 +57,7 @@ class LeaderMixin(CoreState):
         self.L_pending: dict[Contrib, float] = {}
         self.L_waiting_joiners: set[NodeId] = set()
         self.L_lost_from = NONE
-        self.L_reducers: dict[int, NodeId] = {}
-        self.L_commits: dict[int, Commit] = {}
+        self.L_commits: dict[int, Commit] = {}  # stage -> the Commit of the current round
         self.L_contributors: set[NodeId] = set()
         self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}  # type: ignore[misc]
         if recovering:
@@ -188,12 +187,10 @@ class LeaderMixin(CoreState):
         self.L_haves = set()
         self.L_commit_set = set(self.directory)
         out: list[Effect] = []
-        self.L_reducers = {}
         self.L_commits = {}
         self.L_contributors = set()
         for stage, members in enumerate(self._stage_members()):
             contributors = tuple((p, len(contrib[p][1])) for p in members if contrib[p][1])
-            self.L_reducers[stage] = min(members)
             self.L_contributors.update(p for p, _ in contributors)
             mbs = {p: tuple(sorted(contrib[p][1])) for p, _ in contributors}
             out.append(record("decision", iteration=self.L_t, round=self.L_round, stage=stage,
@@ -207,15 +204,15 @@ class LeaderMixin(CoreState):
         """A death during commit forces a new round only if it was the stage's reducer, a
         contributor whose gradient the reducer may not hold yet (its Have not received), or a
         broadcast-tree parent with a child that has not said Have (it may never get the gradient)."""
-        reducer = self.L_reducers.get(stage)
-        if pid == reducer:
-            return True
-        if pid in self.L_contributors and reducer not in self.L_haves:
-            return True
         c = self.L_commits.get(stage)
-        if c is None or pid not in c.replicas:
+        if c is None:
             return False
-        return not set(tree_children(digest(c), pid, self.cfg.reduce_fanout)) <= self.L_haves
+        d = digest(c)
+        if pid == d.reducer:
+            return True
+        if pid in self.L_contributors and d.reducer not in self.L_haves:
+            return True
+        return pid in d.pos and not set(tree_children(d, pid, self.cfg.reduce_fanout)) <= self.L_haves
 
     def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
         if not self.is_leader or self.L_phase != "commit" or msg.round != self.L_round:

@@ -183,6 +183,13 @@ class CoreState:
     def send(self, to: NodeId, msg: Message) -> Send:
         return Send(to, msg)
 
+    def send_booked(self, to: NodeId, msg: Message, now: float) -> Send:
+        """Send a tensor message whose ack nothing waits on (a gradient share, a state transfer),
+        booking its bytes on our model of our uplink: the activations and gradients sent after it
+        queue behind it, and their ack deadlines and bandwidth samples must know."""
+        self.reserve_uplink(to, msg.tensor_bytes, now)
+        return self.send(to, msg)
+
     def timer(self, key: tuple[Any, ...], delay_s: float, now: float) -> SetTimer:
         return SetTimer(key, now + delay_s)
 

@@ -483,8 +483,8 @@ class MembershipMixin(CoreState):
         if kind == "export_state":
             to, key, version = ref
             size = self.train.stage_state_bytes[self.me.stage]
-            self.reserve_uplink(to, size, now)  # later tensor sends queue behind it
-            return [self.send(to, StateTransfer(stage=self.me.stage, version=version, key=key, size_bytes=size))]
+            return [self.send_booked(to, StateTransfer(stage=self.me.stage, version=version, key=key, size_bytes=size),
+                                     now)]
         if kind in ("import_state", "load_checkpoint"):
             self.version = int(ref)
             if self.active:
