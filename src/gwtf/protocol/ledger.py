@@ -78,7 +78,6 @@ class Leg:
     excl: set[NodeId] = field(default_factory=set)
     sent_at: float = 0.0
     sent_expect_s: float = 0.0
-    sent_wait_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -94,7 +93,6 @@ class Origin:
     started_at: float = 0.0
     sent_at: float = 0.0
     sent_expect_s: float = 0.0
-    sent_wait_s: float = 0.0
     until: int = NONE
     holder: NodeId = ""
     agg: bool = False
@@ -113,7 +111,6 @@ class GradOut:
     key: TensorKey
     sent_at: float
     sent_expect_s: float = 0.0
-    sent_wait_s: float = 0.0
     redo_start: int = NONE  # >= 1 while a Redo(start) is out
     got: bool = False  # the receiver acknowledged receipt
 
@@ -154,6 +151,9 @@ class CoreState:
         self.pending_fwd: list[tuple[NodeId, Message]] = []
         self.pending_acks: list[Send] = []
         self.uplink_free_est_s = 0.0  # when our uplink will have sent what we queued on it
+        self.uplink_done_s = -1.0  # when the last acked tensor left our uplink, as its ack measured
+        self.uplink_done_sent_s = -1.0  # and when that tensor was sent
+        self.unmeasured_until_s = -1.0  # a tensor nothing acks (a gradient share) may hold the uplink until then
         self.ack_excess_ema_s: dict[NodeId, float] = {}
         # per-iteration state of the data holder and of the aggregation barrier
         self.dh_started = 0
@@ -188,6 +188,7 @@ class CoreState:
         booking its bytes on our model of our uplink: the activations and gradients sent after it
         queue behind it, and their ack deadlines and bandwidth samples must know."""
         self.reserve_uplink(to, msg.tensor_bytes, now)
+        self.unmeasured_until_s = max(self.unmeasured_until_s, self.uplink_free_est_s)
         return self.send(to, msg)
 
     def timer(self, key: tuple[Any, ...], delay_s: float, now: float) -> SetTimer:
@@ -206,14 +207,14 @@ class CoreState:
             self.links[peer] = est
         return est
 
-    def reserve_uplink(self, peer: NodeId, size_bytes: int, now: float) -> tuple[float, float]:
-        """Our own model of our uplink (tensor sends go out one after another): returns
-        (expected receipt-ack delay, expected wait behind earlier sends), in seconds."""
+    def reserve_uplink(self, peer: NodeId, size_bytes: int, now: float) -> float:
+        """Our own model of our uplink (tensor sends go out one after another): the expected
+        receipt-ack delay of a tensor queued now, in seconds (what its ack deadline starts from)."""
         link = self.link(peer)
         start = max(now, self.uplink_free_est_s)
         tx = size_bytes / link.bandwidth_bytes_per_s
         self.uplink_free_est_s = start + tx
-        return start - now + tx + 2 * link.latency_s, start - now
+        return start - now + tx + 2 * link.latency_s
 
     def deadline_for(self, peer: NodeId, expected_s: float) -> float:
         """Receipt-ack deadline: multiplier x (expected delay from the link EMAs and our uplink
@@ -233,10 +234,30 @@ class CoreState:
         old = self.ack_excess_ema_s.get(peer)
         self.ack_excess_ema_s[peer] = excess if old is None else (1 - a) * old + a * excess
 
-    def observe_transfer(self, peer: NodeId, size_bytes: int, rtt_s: float, wait_s: float) -> list[Effect]:
-        """A tensor's receipt round trip: update the bandwidth EMA; tell the router on change."""
+    def observe_transfer(self, peer: NodeId, size_bytes: int, rtt_s: float, now: float) -> list[Effect]:
+        """A tensor's receipt ack: a delivery-rate sample of the link's bandwidth (EMA); tell the
+        router when the estimate moved by more than 20%.
+
+        The sample is measured, not modelled: the last byte left our uplink one round of latency
+        before its ack came back (`done`), and it began when it was sent or when the tensor ahead
+        of it on our FIFO uplink was done, whichever is later, that tensor's own ack having told
+        us when. (Subtracting our modelled queue instead, which is itself built from these
+        estimates, fed their errors back into them: samples of one link spread 50-fold.) No
+        sample from a tensor that may have queued behind one nothing acks (a gradient share), nor
+        from an ack that comes after the ack of a tensor sent later (overtaken or delayed: the
+        FIFO order says it was done first, the times say otherwise)."""
         old = self.link(peer)
-        transfer_s = max(rtt_s - wait_s - 2 * old.latency_s, 0.05 * rtt_s, 1e-9)
+        sent_at = now - rtt_s
+        done = now - 2 * old.latency_s
+        prev = self.uplink_done_s
+        if done <= prev or sent_at < self.uplink_done_sent_s:
+            return []
+        self.uplink_done_s, self.uplink_done_sent_s = done, sent_at
+        if sent_at < self.unmeasured_until_s:
+            return []
+        transfer_s = done - max(sent_at, prev)
+        if transfer_s <= 1e-9:
+            return []
         sample = size_bytes / transfer_s
         a = self.cfg.ema_alpha
         bw = (1 - a) * old.bandwidth_bytes_per_s + a * sample

@@ -122,7 +122,7 @@ class TrainingMixin(CoreState):
         size = self.train.activation_bytes
         msg = Forward(mb=rec.mb, flow_id=flow_id, path=path, legs=legs, key=rec.out_key, size_bytes=size,
                       until=rec.until, holder=rec.holder, agg=rec.agg)
-        rec.sent_expect_s, rec.sent_wait_s = self.reserve_uplink(nxt, size, now)
+        rec.sent_expect_s = self.reserve_uplink(nxt, size, now)
         deadline = self.deadline_for(nxt, rec.sent_expect_s)
         return [self.send(nxt, msg), self.timer(("ackf", ref), deadline, now)]
 
@@ -206,7 +206,7 @@ class TrainingMixin(CoreState):
         rtt = now - rec.sent_at
         self.observe_ack(sender, rtt, rec.sent_expect_s)
         out: list[Effect] = [self.cancel(("ackf", ref))]
-        out += self.observe_transfer(sender, self.train.activation_bytes, rtt, rec.sent_wait_s)
+        out += self.observe_transfer(sender, self.train.activation_bytes, rtt, now)
         if isinstance(rec, Leg):
             out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1])))
         return out
@@ -319,9 +319,9 @@ class TrainingMixin(CoreState):
                    key: TensorKey, now: float) -> list[Effect]:
         size = self.train.activation_bytes
         to = path[pos - 1]
-        expect, wait = self.reserve_uplink(to, size, now)
+        expect = self.reserve_uplink(to, size, now)
         self.gouts[mb] = GradOut(mb=mb, path=path, legs=legs, pos=pos, key=key, sent_at=now,
-                                 sent_expect_s=expect, sent_wait_s=wait)
+                                 sent_expect_s=expect)
         deadline = self.deadline_for(to, expect)
         return [self.send(to, Backward(mb=mb, path=path, legs=legs, key=key, size_bytes=size)),
                 self.timer(("ackb", mb), deadline, now)]
@@ -339,7 +339,7 @@ class TrainingMixin(CoreState):
         rtt = now - g.sent_at
         self.observe_ack(sender, rtt, g.sent_expect_s)
         return [self.cancel(("ackb", msg.mb))] + self.observe_transfer(
-            sender, self.train.activation_bytes, rtt, g.sent_wait_s)
+            sender, self.train.activation_bytes, rtt, now)
 
     def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
         """The node we sent a gradient to is gone: ask the nearest live upstream node to redo."""
