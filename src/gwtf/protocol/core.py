@@ -50,6 +50,9 @@ HANDLERS: dict[str, str] = {
     "agg.have": "on_have", "agg.step": "on_step", "agg.rollback": "on_rollback",
 }
 
+_ROUTER = object()  # dispatch marks: the router's message, or a message nobody handles
+_UNKNOWN = object()
+
 RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStart, m.Collect, m.Reset,
             m.MemberUp, m.MemberDown, m.Rollback, m.StateTransfer, m.StateRequest, m.Welcome, m.JoinRequest)
 
@@ -156,6 +159,22 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
 
     # ---- dispatch ----------------------------------------------------------------------
 
+    _dispatch: dict[type, Any] = {}  # per concrete class: message class -> handler (_resolve_handler)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._dispatch = {}
+
+    @classmethod
+    def _resolve_handler(cls, mcls: type) -> Any:
+        """The handler of a message class, looked up once per (core class, message class):
+        `_ROUTER` for "flow."/"swarm." messages, the method HANDLERS names, or `_UNKNOWN`."""
+        t = getattr(mcls, "TYPE", "")
+        if t.startswith(("flow.", "swarm.")):
+            return _ROUTER
+        name = HANDLERS.get(t)
+        return getattr(cls, name) if name is not None else _UNKNOWN
+
     def _handle(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
         out: list[Effect] = []
         if sender in self.suspects:
@@ -163,17 +182,17 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             info = self.directory.get(sender)
             if info is not None and self.in_view(info):
                 out += list(self.router.on_peer_up(info, self.link(sender), now))
-        t = msg.TYPE
-        if t.startswith(("flow.", "swarm.")):
+        mcls = type(msg)
+        fn = self._dispatch.get(mcls)
+        if fn is None:
+            fn = self._dispatch[mcls] = self._resolve_handler(mcls)
+        if fn is _ROUTER:
             out.extend(self.router.on_message(sender, msg, now))
             return out
-        name = HANDLERS.get(t)
-        if name is None:
-            return out + [log("warning", "unknown_message", type=t, sender=sender)]
-        result: list[Effect] = getattr(self, name)(sender, msg, now)
-        if not out:
-            return list(result)
-        return out + result
+        if fn is _UNKNOWN:
+            return out + [log("warning", "unknown_message", type=msg.TYPE, sender=sender)]
+        result: list[Effect] = fn(self, sender, msg, now)
+        return out + result if out else result
 
     def _drain(self, effects: list[Effect], now: float) -> list[Effect]:
         """Deliver messages addressed to this node at once; return the rest."""

@@ -103,10 +103,13 @@ class Neighbour:
         """A new advert from it; True when its costs changed."""
         vec = self.vec
         if vec is not None:
-            if vec[1] == costs and vec[0] == targets:
+            if (costs is vec[1] or vec[1] == costs) and vec[0] == targets:
                 return False
-        elif self.adv == dict(zip(targets, costs)):
-            return False
+        elif self.adv_dict:
+            if self.adv_dict == dict(zip(targets, costs)):
+                return False
+        elif not targets or not costs:
+            return False  # nothing known before, nothing now (no dict of the advert needed)
         self.vec, self.adv_dict = (targets, costs), None
         return True
 

@@ -101,10 +101,12 @@ class RebalanceMixin(CoreState):
             out[p.id] = math.fsum(terms) / (len(members) - 1)
         return out
 
-    def _handle(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
-        if isinstance(msg, StageMove):
-            return self.on_stage_move(sender, msg, now)
-        return super()._handle(sender, msg, now)  # type: ignore[misc, no-any-return]
+    @classmethod
+    def _resolve_handler(cls, mcls: type) -> Any:
+        """A `StageMove` (and SWARM's, whose TYPE is a router's) is ours, not the router's."""
+        if issubclass(mcls, StageMove):
+            return cls.on_stage_move
+        return super()._resolve_handler(mcls)  # type: ignore[misc]
 
     def on_stage_move(self, sender: NodeId, msg: StageMove, now: float) -> list[Effect]:
         """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
