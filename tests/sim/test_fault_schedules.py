@@ -31,3 +31,14 @@ def test_schedules_cover_every_fault_kind() -> None:
     for needle in ('"crash_stage"', '"join"', '"cut"', '"degrade"', '"leave"', 'after_event="contribute"',
                    'after_event="collect"', 'after_event="redo"', 'after_event="decision"'):
         assert needle in text, needle
+
+
+def test_a_collect_that_overtakes_its_iterstart_is_answered_for_the_new_iteration() -> None:
+    """Long-mode seed 9253 on 120 nodes (views of 16, fan-out 2): a cut link made the leader
+    resend Step, IterStart and Collect to one relay, and the Collect arrived first. The relay
+    reported for its old iteration, which the leader ignores, and never again: the leader waited
+    in its collect phase until the run's end with every stage alive (a deadlock)."""
+    extra = ["nodes.count=120", "protocol.view_size=16", "protocol.reduce_fanout=2"]
+    summary, _ = run_scenario(load_scenario(None, random_schedule(9253) + extra), 9253)
+    assert summary["invariant_violations"] == 0, summary["violations"][:3]
+    assert summary["iterations"] == 4

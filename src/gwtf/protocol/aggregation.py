@@ -181,6 +181,10 @@ class AggregationMixin(CoreState):
         pending, self.pending_fwd = self.pending_fwd, []
         for s, m in pending:
             out += self.on_forward(s, m, now)  # type: ignore[attr-defined]
+        if self.collect_due == msg.iteration:
+            self.collect_due = NONE
+            self.reported = True
+            out.append(self.send(self.leader, self._report()))
         return out
 
     def _clear_iteration(self) -> None:
@@ -203,6 +207,10 @@ class AggregationMixin(CoreState):
         self.last_leader_s = now
         if not self.active:
             return []
+        if msg.iteration > self.iteration:
+            # IterStart not seen yet (resent after a cut link, it can arrive after this Collect):
+            # this report is for our old iteration; report again once the new one starts
+            self.collect_due = msg.iteration
         self.reported = True
         return [self.send(sender, self._report())]
 

@@ -149,6 +149,7 @@ class CoreState:
         self.grad_cache: dict[MbId, tuple[TensorKey, tuple[NodeId, ...], tuple[int, ...]]] = {}
         self.gouts: dict[MbId, GradOut] = {}
         self.pending_fwd: list[tuple[NodeId, Message]] = []
+        self.collect_due = NONE  # a Collect for this iteration came before its IterStart
         self.pending_acks: list[Send] = []
         self.uplink_free_est_s = 0.0  # when our uplink will have sent what we queued on it
         self.uplink_done_s = -1.0  # when the last acked tensor left our uplink, as its ack measured
