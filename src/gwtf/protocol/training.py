@@ -206,7 +206,7 @@ class TrainingMixin(CoreState):
         rtt = now - rec.sent_at
         self.observe_ack(sender, rtt, rec.sent_expect_s)
         out: list[Effect] = [self.cancel(("ackf", ref))]
-        out += self.observe_transfer(sender, self.train.activation_bytes, rtt, now)
+        out += self.observe_transfer(sender, self.train.activation_bytes, rec.sent_at, now)
         if isinstance(rec, Leg):
             out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1])))
         return out
@@ -339,7 +339,7 @@ class TrainingMixin(CoreState):
         rtt = now - g.sent_at
         self.observe_ack(sender, rtt, g.sent_expect_s)
         return [self.cancel(("ackb", msg.mb))] + self.observe_transfer(
-            sender, self.train.activation_bytes, rtt, now)
+            sender, self.train.activation_bytes, g.sent_at, now)
 
     def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
         """The node we sent a gradient to is gone: ask the nearest live upstream node to redo."""

@@ -49,7 +49,7 @@ def test_a_wrong_estimate_converges_on_back_to_back_sends(start_bw: float) -> No
     a = core.cfg.ema_alpha
     expect = start_bw
     for sent_at, ack_at, peer in _fifo_acks(sends):
-        core.observe_transfer(peer, SIZE, ack_at - sent_at, ack_at)
+        core.observe_transfer(peer, SIZE, sent_at, ack_at)
         expect = (1 - a) * expect + a * TRUE_BW  # every sample is the true bandwidth
         assert core.links[peer].bandwidth_bytes_per_s == pytest.approx(expect, rel=1e-9)
 
@@ -63,21 +63,21 @@ def test_no_sample_behind_a_tensor_nothing_acks() -> None:
     core.reserve_uplink("b0", SIZE, 0.0)
     core.links["b0"] = LinkEstimate(latency_s=LAT, bandwidth_bytes_per_s=TRUE_BW / 2)
     # the activation queued behind the share: its round trip includes the share's transfer
-    core.observe_transfer("b0", SIZE, 0.5 + 2 * LAT, 0.5 + 2 * LAT)
+    core.observe_transfer("b0", SIZE, 0.0, 0.5 + 2 * LAT)
     assert core.links["b0"].bandwidth_bytes_per_s == TRUE_BW / 2  # no sample taken
     # a tensor sent once the share is surely gone is measured again
-    core.observe_transfer("b0", SIZE, 0.25 + 2 * LAT, 1.0 + 0.25 + 2 * LAT)
+    core.observe_transfer("b0", SIZE, 1.0, 1.0 + 0.25 + 2 * LAT)
     assert core.links["b0"].bandwidth_bytes_per_s > TRUE_BW / 2
 
 
 def test_an_ack_after_the_ack_of_a_later_send_gives_no_sample() -> None:
     core = _core(TRUE_BW)
     (s0, ack0, _), (s1, ack1, _) = _fifo_acks([(0.0, "b0"), (0.05, "b1")])
-    core.observe_transfer("b1", SIZE, ack1 - s1, ack1)  # the second tensor's ack comes first
+    core.observe_transfer("b1", SIZE, s1, ack1)  # the second tensor's ack comes first
     before = core.links["b0"].bandwidth_bytes_per_s
     # the first one's ack, delayed past it: taken at face value it would say 0.001 s, 25 GB/s
-    core.observe_transfer("b0", SIZE, ack1 + 0.001 - s0, ack1 + 0.001)
+    core.observe_transfer("b0", SIZE, s0, ack1 + 0.001)
     assert core.links["b0"].bandwidth_bytes_per_s == before
     # and an ack that came early through a shorter path (done before the last measured) neither
-    core.observe_transfer("b0", SIZE, ack0 - s0, ack0)
+    core.observe_transfer("b0", SIZE, s0, ack0)
     assert core.links["b0"].bandwidth_bytes_per_s == before
