@@ -264,9 +264,7 @@ class CoreState:
         new = LinkEstimate(old.latency_s, bw)
         self.links[peer] = new
         if abs(bw - old.bandwidth_bytes_per_s) > 0.2 * old.bandwidth_bytes_per_s:
-            # the router is handed the round trip where it expects `now`: a known bug, kept
-            # as it is (docs/protocol.md "Known limits")
-            return list(self.router.on_link_update(peer, new, now - sent_at))
+            return list(self.router.on_link_update(peer, new, now))
         return []
 
     def mb_key(self, kind: str, mb: MbId, n: int) -> TensorKey:
