@@ -16,6 +16,8 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -24,6 +26,7 @@ NodeId = str
 """A node's id: unique in the swarm, stable for the node's life (a rejoin gets a new id)."""
 
 M = TypeVar("M", bound="type[Message]")
+T = TypeVar("T", bound=type)
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -80,7 +83,47 @@ def message(cls: M) -> M:
     if name in MESSAGE_TYPES and MESSAGE_TYPES[name] is not cls:
         raise ValueError(f"message TYPE {name!r} registered twice")
     MESSAGE_TYPES[name] = cls
+    return fast_init(cls)
+
+
+def fast_init(cls: T) -> T:
+    """Class decorator, outside `@dataclass(frozen=True, slots=True)`: the same `__init__`
+    (signature, defaults, frozen instance), setting each field through its slot descriptor.
+
+    A frozen dataclass's generated `__init__` sets every field with `object.__setattr__(self,
+    "name", value)`, a generic attribute lookup per field; the slot's own `__set__` skips it.
+    Messages and effects are built a few times per simulated event: a 6-field message took 2.5
+    instead of 0.95 us to build. Only the constructor changes; assignment after it still raises."""
+    if "__post_init__" in dir(cls):
+        raise TypeError(f"fast_init: {cls.__name__} has __post_init__")
+    namespace: dict[str, Any] = {}
+    positional: list[str] = []
+    keyword: list[str] = []
+    body: list[str] = []
+    for i, f in enumerate(dataclasses.fields(cls)):  # type: ignore[arg-type]
+        if not f.init or f.default_factory is not dataclasses.MISSING:
+            raise TypeError(f"fast_init: {cls.__name__}.{f.name} needs the dataclass __init__")
+        slot = next(c.__dict__[f.name] for c in cls.__mro__ if f.name in c.__dict__)
+        namespace[f"_set{i}"] = slot.__set__
+        param = f.name
+        if f.default is not dataclasses.MISSING:
+            namespace[f"_default{i}"] = f.default
+            param += f"=_default{i}"
+        (keyword if f.kw_only else positional).append(param)
+        body.append(f"    _set{i}(self, {f.name})")
+    params = ", ".join(["self", *positional, *(["*", *keyword] if keyword else [])])
+    exec(f"def __init__({params}):\n" + "\n".join(body or ["    pass"]), namespace)
+    init = namespace["__init__"]
+    if _signature(init) != _signature(cls.__init__):  # e.g. an InitVar the fields do not show
+        raise TypeError(f"fast_init: {cls.__name__}'s fields do not give its __init__'s signature")
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__doc__ = cls.__init__.__doc__
+    cls.__init__ = init  # type: ignore[misc]
     return cls
+
+
+def _signature(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +131,7 @@ def message(cls: M) -> M:
 # ---------------------------------------------------------------------------------------------
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Send:
     """Deliver `msg` to node `to`. A driver that cannot reaches the core's `on_send_failed`."""
@@ -96,6 +140,7 @@ class Send:
     msg: Message
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SetTimer:
     """Fire `on_timer(key)` at virtual/wall time `at` (seconds). Re-setting a key replaces it."""
@@ -104,6 +149,7 @@ class SetTimer:
     at: float
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CancelTimer:
     """Forget the timer `key` if it is set."""
@@ -111,6 +157,7 @@ class CancelTimer:
     key: Any
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Log:
     """A structured log line: `event` plus key=value fields. Drivers write it; nothing else."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gwtf.protocol.base import Message, NodeId, message
+from gwtf.protocol.base import Message, NodeId, fast_init, message
 
 MbId = tuple[str, int, int]
 """A microbatch: (origin data holder, iteration, index within that holder's iteration)."""
@@ -34,6 +34,7 @@ NONE = -1  # "no value" for int fields (messages carry no Optional nested types)
 # --------------------------------------------------------------------------------------------
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Compute:
     """Run one stage computation; the driver answers with `on_compute_done(job_id, now)`.
@@ -58,6 +59,7 @@ class Compute:
     count: int = 0  # "reduce": the total microbatch count the summed gradient is divided by
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Record:
     """A fact for metrics and invariant checks (the sim collects it; the runtime logs JSONL)."""
@@ -66,6 +68,7 @@ class Record:
     fields: tuple[tuple[str, Any], ...] = ()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class FreeIteration:
     """The driver may drop every stored tensor whose key's iteration (key[2]) is <= `iteration`."""

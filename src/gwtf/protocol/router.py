@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gwtf.protocol.base import Message, NodeId
+from gwtf.protocol.base import Message, NodeId, fast_init
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,7 @@ class PeerInfo:
     demand: int = 0  # data holders only: microbatches per iteration
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class LinkEstimate:
     """Measured (moving-average) link quality from this node to a peer."""
