@@ -81,3 +81,18 @@ def test_an_ack_after_the_ack_of_a_later_send_gives_no_sample() -> None:
     # and an ack that came early through a shorter path (done before the last measured) neither
     core.observe_transfer("b0", SIZE, s0, ack0)
     assert core.links["b0"].bandwidth_bytes_per_s == before
+
+
+def test_the_router_hears_a_link_change_at_the_current_time() -> None:
+    """A moved estimate reaches the router with `now` (it once got the tensor's round trip, and
+    the flow agent then ran, and scheduled its timers, on a clock of a fraction of a second)."""
+    from gwtf.protocol.base import SetTimer
+
+    core = _core(20e6)  # 5x too low: the first sample moves the estimate by far more than 20%
+    sent_at = 500.0
+    core.reserve_uplink("b0", SIZE, sent_at)
+    ack_at = sent_at + SIZE / TRUE_BW + 2 * LAT
+    effects = core.observe_transfer("b0", SIZE, sent_at, ack_at)
+    assert core.links["b0"].bandwidth_bytes_per_s > 1.2 * 20e6
+    assert core.router.now == ack_at  # type: ignore[attr-defined]
+    assert all(e.at >= ack_at for e in effects if isinstance(e, SetTimer))
