@@ -9,7 +9,9 @@ Rules for message classes (so the codec can carry them without pickle):
 - frozen, slotted dataclasses; field types limited to int, float, str, bool, None, bytes, and
   tuples / dicts of those (nested frozen dataclasses are not allowed: flatten them);
 - `TYPE` is a short unique name; `tensor_bytes` says how many raw tensor bytes travel with the
-  message (the simulator's network model charges them; the runtime attaches the real bytes).
+  message (the simulator's network model charges them; the runtime attaches the real bytes);
+- `@message` also swaps in a faster constructor (`fast_init`), so no `default_factory` and no
+  `__post_init__` (it refuses them at import).
 
 Must not import torch, asyncio, socket, threading or time.
 """
