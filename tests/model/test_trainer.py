@@ -91,7 +91,7 @@ def test_one_iteration_equals_monolithic_gradient_accumulation(tmp_path: Path) -
     # step is g / (|g| + eps), nearly blind to the gradient's scale).
     want_m = {k: v for k, v in opt.state_tensors().items() if k.endswith(".exp_avg")}
     got_m = {
-        f"opt.{s.global_param_name(k[4:-8])}.exp_avg": v  # type: ignore[operator]
+        f"opt.{s.global_param_name(k.removeprefix('opt.').removesuffix('.exp_avg'))}.exp_avg": v  # type: ignore[operator]
         for s, o in zip(stages, stage_opts) for k, v in o.state_tensors().items() if k.endswith(".exp_avg")
     }
     assert set(got_m) == set(want_m)
