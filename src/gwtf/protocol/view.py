@@ -5,14 +5,15 @@ marks), `view_threshold`, and `Roster`, the initial member list indexed once by 
 that starting N cores costs O(N x what each keeps), not O(N^2).
 
 With `protocol.view_size = K > 0`, node a lists peer b of an adjacent (or its own) stage iff
-`pair_score(a, b) < K / min(max(n_a, n_b), 2 min(n_a, n_b))`, n_x the size of x's stage when the node started (or
-joined), or its live size when that is smaller (`MembershipMixin._view_threshold`). Both ends compute the same predicate without a message, so the neighbourhood graph is
-symmetric: if a routes to b, b advertises to a. Each node sees about K peers of each neighbouring
-stage (at least K/2 of a much smaller one), a random graph (an expander with high probability), the partial view gossip systems and
-SWARM's DHT lookups give their peers. `K = 0` (the default), two stages both no larger than K,
-or a stage no larger than K/2: everyone.
-The last relay stage and the data holders always see each other (a microbatch returns to its
-own data holder).
+`pair_score(a, b) < K / min(max(n_a, n_b), 2 min(n_a, n_b))`, n_x the size of x's stage when the
+node started (or joined), or its live size when that is smaller
+(`MembershipMixin._view_threshold`). Both ends compute the same predicate without a message, so
+the neighbourhood graph is symmetric: if a routes to b, b advertises to a. Each node sees about
+K peers of each neighbouring stage (at least K/2 of a much smaller one), a random graph (an
+expander with high probability), the partial view gossip systems and SWARM's DHT lookups give
+their peers. `K = 0` (the default), two stages both no larger than K, or a stage no larger than
+K/2: everyone. The last relay stage and the data holders always see each other (a microbatch
+returns to its own data holder).
 The membership directory is not bounded (data holders keep every member as leader candidates);
 only what the router sees is.
 
