@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
     if not Path(args.scenario).is_file():
-        sys.exit(f"no scenario file {args.scenario}")
+        ap.error(f"no scenario file {args.scenario}")
     # plain, split, plain: the faster plain run is the one compared (noise here is mostly slow-downs)
     runs = [run_child(mode, args.scenario, args.seed, args.warmup, args.iterations)
             for mode in ("plain", "split", "plain")]
