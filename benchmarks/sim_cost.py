@@ -32,46 +32,44 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import gc, json, sys, time
 from gwtf.sim.scenario import load_scenario
-from gwtf.sim.simulator import Simulator, get_system
+from gwtf.sim.simulator import Simulator, _quiet_gc, get_system
 mode, path = sys.argv[1], sys.argv[2]
 seed, warmup, iterations = (int(a) for a in sys.argv[3:6])
 sc = load_scenario(path, [f"train.iterations={warmup + iterations + 1}"])
 sim = Simulator(sc, seed, get_system("gwtf", sc))
-gc.set_threshold(200_000, 50, 1000)  # as Simulator.run does
-sim.start()
-gc.freeze()
-limit = sc.sim.max_time_s
-sim.engine.run(until_s=limit, stop=lambda: sim._iterations_done >= warmup)
 pc = time.perf_counter
 cost, count = {}, {}
-if mode == "split":
-    cls = type(next(iter(sim.cores.values())))
-    def timed(orig, kind_of):
-        def entry(self, *args):
-            t = pc()
-            try:
-                return orig(self, *args)
-            finally:
-                dt = pc() - t
-                k = kind_of(self, args)
-                cost[k] = cost.get(k, 0.0) + dt
-                count[k] = count.get(k, 0) + 1
-        return entry
-    def timer_kind(self, a):
-        key = a[0]
-        return "timer " + (":".join(map(str, key[:2])) if key[0] in ("flow", "swarm") else str(key[0]))
-    entry_kind = {}
-    orig_done = cls.on_compute_done
-    def on_compute_done(self, job_id, now):
-        entry_kind[job_id] = self.jobs.get(job_id, ("?",))[0]  # popped by the call
-        return orig_done(self, job_id, now)
-    cls.on_message = timed(cls.on_message, lambda self, a: type(a[1]).__name__)
-    cls.on_timer = timed(cls.on_timer, timer_kind)
-    cls.on_compute_done = timed(on_compute_done, lambda self, a: "compute " + entry_kind.pop(a[0], "?"))
-    cls.on_send_failed = timed(cls.on_send_failed, lambda self, a: "send_failed " + type(a[1]).__name__)
-e0, w0 = sim.engine.events_run, pc()
-sim.engine.run(until_s=limit, stop=lambda: sim._iterations_done >= warmup + iterations)
-wall = pc() - w0
+
+def timed(orig, kind_of):
+    def entry(self, *args):
+        k = kind_of(self, args)  # before the call: on_compute_done pops the job it names
+        t = pc()
+        try:
+            return orig(self, *args)
+        finally:
+            cost[k] = cost.get(k, 0.0) + pc() - t
+            count[k] = count.get(k, 0) + 1
+    return entry
+
+def timer_kind(self, a):
+    key = a[0]
+    return "timer " + (":".join(map(str, key[:2])) if key[0] in ("flow", "swarm") else str(key[0]))
+
+with _quiet_gc():  # the GC settings of Simulator.run
+    sim.start()
+    gc.freeze()
+    limit = sc.sim.max_time_s
+    sim.engine.run(until_s=limit, stop=lambda: sim._iterations_done >= warmup)
+    if mode == "split":
+        cls = type(next(iter(sim.cores.values())))
+        cls.on_message = timed(cls.on_message, lambda self, a: type(a[1]).__name__)
+        cls.on_timer = timed(cls.on_timer, timer_kind)
+        cls.on_compute_done = timed(cls.on_compute_done,
+                                    lambda self, a: "compute " + self.jobs.get(a[0], ("?",))[0])
+        cls.on_send_failed = timed(cls.on_send_failed, lambda self, a: "send_failed " + type(a[1]).__name__)
+    e0, w0 = sim.engine.events_run, pc()
+    sim.engine.run(until_s=limit, stop=lambda: sim._iterations_done >= warmup + iterations)
+    wall = pc() - w0
 print(json.dumps({"events": sim.engine.events_run - e0, "wall_s": wall, "cost": cost, "count": count,
                   "virtual_s": sim.engine.now, "iterations": sim._iterations_done}))
 """
@@ -103,18 +101,18 @@ def main() -> None:
     n = plain["events"]
     core_s = sum(split["cost"].values())
     us = 1e6 / n
-    driver_s = max(plain["wall_s"] - core_s, 0.0)
+    w = plain["wall_s"]
+    driver_s = max(w - core_s, 0.0)
     first, last = args.warmup + 1, args.warmup + args.iterations
     print(f"\n{Path(args.scenario).name}, seed {args.seed}, iterations {first}..{last} ({n:,} events, "
           f"{split['virtual_s']:.0f} virtual s at the end)\n")
     print("| | wall s | us/event | share | events/s |")
     print("|---|---|---|---|---|")
-    w = plain["wall_s"]
     print(f"| simulator as run (plain) | {w:.2f} | {w * us:.2f} | 100% | {n / w:,.0f} |")
     print(f"| protocol core (NodeCore entry points, split run) | {core_s:.2f} | {core_s * us:.2f} | "
-          f"{100 * core_s / plain['wall_s']:.0f}% | {n / core_s:,.0f} (ceiling: driver at zero cost) |")
+          f"{100 * core_s / w:.0f}% | {n / core_s:,.0f} (ceiling: driver at zero cost) |")
     print(f"| driver (the rest of the plain run) | {driver_s:.2f} | {driver_s * us:.2f} | "
-          f"{100 * driver_s / plain['wall_s']:.0f}% | |")
+          f"{100 * driver_s / w:.0f}% | |")
     print(f"| split run, timers included | {split['wall_s']:.2f} | {split['wall_s'] * us:.2f} | | |")
     print(f"\nCore time by event kind (top {args.top}):\n")
     print("| kind | events | share of events | core us/event | share of core time |")
