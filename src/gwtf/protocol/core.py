@@ -26,6 +26,7 @@ from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
 from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
+from gwtf.protocol.messages import record
 from gwtf.protocol.leader import LeaderMixin
 from gwtf.protocol.ledger import CoreState, Effect, Policy, TrainParams
 from gwtf.protocol.membership import MembershipMixin
@@ -145,6 +146,25 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         out += self.membership_compute_done(kind, ref, now)
         out += self.aggregation_compute_done(kind, ref, now)
         return self._drain(out, now)
+
+    def on_compute_failed(self, job_id: int, reason: str, now: float) -> list[Effect]:
+        """A `Compute` raised in the driver (an exception in the stage worker). State jobs are
+        retried through the join path (another source, or the checkpoint); a failed export
+        answers the requester with a refusal; anything else means this node cannot serve its
+        stage: it announces a leave (peers recover its work as after a crash) and stops with
+        reason "compute_failed", which the runtime turns into a non-zero exit."""
+        entry = self.jobs.pop(job_id, None)
+        if entry is None or not self.alive:
+            return []
+        kind, ref = entry
+        out: list[Effect] = [record("compute_failed", node=self.me.id, kind=kind, reason=reason[:200])]
+        if kind == "export_state":
+            to, _key, _version = ref
+            return self._drain(out + [self.send(to, m.StateTransfer(stage=self.me.stage, version=-1, key=(),
+                                                                     ok=False))], now)
+        if kind in ("import_state", "load_checkpoint") and not self.active:
+            return self._drain(out + self.state_failed(kind, now), now)
+        return self._drain(out + self.leave(now) + self.stop("compute_failed", now), now)
 
     def on_send_failed(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
         if not self.alive:

@@ -492,6 +492,10 @@ class MembershipMixin(CoreState):
             return [self.send(self.leader, Ready(stage=self.me.stage, version=self.version, peer=to_tuple(self.me)))]
         return []
 
+    def state_failed(self, kind: str, now: float) -> list[Effect]:
+        """Importing fetched state (or loading the checkpoint) failed: fetch again."""
+        return self.fetch_state(self.checkpoint_version(), now)
+
     def on_refetch(self, sender: NodeId, msg: object, now: float) -> list[Effect]:
         if self.active:
             return []
