@@ -21,7 +21,7 @@ SHAPE = ['model.preset="tiny"', "model.seq_len=64", "model.microbatch_size=4", "
 @pytest.mark.parametrize("n", [1, 2, 5, 30])
 def test_the_tree_reaches_every_replica_once(fanout: int, n: int) -> None:
     replicas = tuple(f"r{i:02d}" for i in reversed(range(n)))
-    d = digest(Commit(iteration=0, round=1, contributors=(), replicas=replicas))
+    d = digest(Commit(term=0, iteration=0, round=1, contributors=(), replicas=replicas))
     assert d.reducer == "r00"
     got = [c for r in replicas for c in tree_children(d, r, fanout)]
     assert sorted(got) == sorted(r for r in replicas if r != "r00")  # each once, never the reducer

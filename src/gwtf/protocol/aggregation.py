@@ -198,7 +198,7 @@ class AggregationMixin(CoreState):
         mine = tuple(sorted((mb[0], mb[2]) for mb in self.contributed if mb[1] == self.iteration))
         started = tuple(range(getattr(self, "dh_started", 0))) if self.me.stage == 0 else ()
         done = self.me.stage == 0 and getattr(self, "dh_reported_done", False)
-        return Report(iteration=self.iteration, version=self.version, stage=self.me.stage, contributed=mine,
+        return Report(term=self.term, iteration=self.iteration, version=self.version, stage=self.me.stage, contributed=mine,
                       dh_done=done or dh_done, dh_completed=started if (done or dh_done) else (),
                       have_round=getattr(self, "have_round", NONE))
 
@@ -239,6 +239,10 @@ class AggregationMixin(CoreState):
         bit-identical gradient with O(replicas) messages."""
         if msg.iteration != self.iteration or not self.active:
             return []
+        if self.commit is not None and msg.round < self.commit.round:
+            # a resend of an older round (after a cut link) overtaken by the newer one: taking it
+            # would leave us holding a round the leader no longer waits for (faultgen seed 20100)
+            return [log("info", "old_commit_ignored", round=msg.round, holding=self.commit.round)]
         self.commit = msg
         self.have_round = NONE
         d = digest(msg)
@@ -318,7 +322,7 @@ class AggregationMixin(CoreState):
         children in the broadcast tree (every other replica when I am the reducer of a star)."""
         self.have_round = c.round
         d = digest(c)
-        out: list[Effect] = [self.send(self.leader, Have(iteration=c.iteration, round=c.round))]
+        out: list[Effect] = [self.send(self.leader, Have(term=self.term, iteration=c.iteration, round=c.round))]
         children = tree_children(d, self.me.id, self.cfg.reduce_fanout)
         if children:
             msg = GradShare(iteration=c.iteration, round=c.round, key=self._rkey(c), count=d.total,

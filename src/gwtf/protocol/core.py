@@ -26,10 +26,10 @@ from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
 from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
-from gwtf.protocol.messages import record
 from gwtf.protocol.leader import LeaderMixin
 from gwtf.protocol.ledger import CoreState, Effect, Policy, TrainParams
 from gwtf.protocol.membership import MembershipMixin
+from gwtf.protocol.messages import record
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 from gwtf.protocol.simple_router import GreedyRouter
 from gwtf.protocol.training import TrainingMixin
@@ -46,10 +46,17 @@ HANDLERS: dict[str, str] = {
     "mem.join": "on_join_request", "mem.welcome": "on_welcome", "mem.sget": "on_state_request",
     "mem.state": "on_state_transfer", "mem.ready": "on_ready", "mem.refetch": "on_refetch",
     "mem.suspect": "on_suspect_notice", "mem.probe": "on_probe", "mem.vote": "on_leader_vote",
+    "mem.term": "on_term_notice",
     "agg.start": "on_iter_start", "agg.collect": "on_collect", "agg.report": "on_report",
     "agg.reset": "on_reset", "agg.commit": "on_commit", "agg.grad": "on_grad_share",
     "agg.have": "on_have", "agg.step": "on_step", "agg.rollback": "on_rollback",
 }
+
+FROM_LEADER: tuple[type, ...] = (m.IterStart, m.Collect, m.Commit, m.Step, m.Reset, m.Rollback, m.Refetch,
+                                 m.MemberUp, m.MemberDown, m.Evicted, m.Welcome, m.HeartbeatAck, m.Probe)
+"""Control messages only the current term's leader may send (and `rebalance.StageMove`)."""
+TO_LEADER: tuple[type, ...] = (m.Report, m.Have, m.Heartbeat)
+"""Messages to the leader that carry the sender's term (a newer one deposes the receiver)."""
 
 _ROUTER = object()  # dispatch marks: the router's message, or a message nobody handles
 _UNKNOWN = object()
@@ -124,6 +131,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         out = self.membership_start(now, known_peers)
         out += list(self.router.on_start(now))
         if self.me.stage == 0 and self.leader == self.me.id:
+            out.append(m.record("leader_term", node=self.me.id, term=self.term))
             out += self.leader_init(now, recovering=False)
         return self._drain(out, now)
 
@@ -184,6 +192,17 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._dispatch = {}
+        cls._fences = {}
+
+    _fences: dict[type, int] = {}  # per concrete class: message class -> 0 none, 1 from a leader, 2 to one
+
+    @classmethod
+    def _fence_kind(cls, mcls: type) -> int:
+        from gwtf.protocol.rebalance import StageMove
+
+        if issubclass(mcls, FROM_LEADER) or issubclass(mcls, StageMove):
+            return 1
+        return 2 if issubclass(mcls, TO_LEADER) else 0
 
     @classmethod
     def _resolve_handler(cls, mcls: type) -> Any:
@@ -203,6 +222,14 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             if info is not None and self.in_view(info):
                 out += list(self.router.on_peer_up(info, self.link(sender), now))
         mcls = type(msg)
+        fence = self._fences.get(mcls)
+        if fence is None:
+            fence = self._fences[mcls] = self._fence_kind(mcls)
+        if fence:
+            accept, said = self.fence(sender, msg.term, fence == 1, now)  # type: ignore[attr-defined]
+            out += said
+            if not accept:
+                return out
         fn = self._dispatch.get(mcls)
         if fn is None:
             fn = self._dispatch[mcls] = self._resolve_handler(mcls)
@@ -251,7 +278,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         handlers: dict[str, Callable[[Any, float], list[Effect]]] = {
             "ackb": self.bwd_failed, "redo": self.redo_failed, "gget": self.chain_failed,
             "retry": self.on_retry, "mb": self.on_mb_deadline, "resend": self._resend_control,
-            "unsuspect": self.on_unsuspect_timer,
+            "unsuspect": self.on_unsuspect_timer, "join": self.on_join_timer, "sget": self.on_state_timer,
         }
         handler = handlers.get(kind)
         return handler(key[1], now) if handler is not None else [log("warning", "unknown_timer", key=key)]

@@ -14,7 +14,7 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
-from gwtf.protocol.base import Message, NodeId
+from gwtf.protocol.base import Message, NodeId, log
 from gwtf.protocol.ledger import NONE, CoreState, Effect
 from gwtf.protocol.membership import from_tuple, to_tuple
 from gwtf.protocol.messages import (
@@ -35,6 +35,7 @@ from gwtf.protocol.messages import (
 from gwtf.protocol.router import PeerInfo
 
 ROUND_GAP = 1000  # round numbers a crashed leader may have used unseen
+STALLED_LOG_PERIOD_S = 5.0  # a paused leader repeats why it is stalled this often
 CHAIN_DEADLINE_FACTOR = 6.0  # a redo chain not covered after this x ack deadline is planned again
 
 
@@ -56,12 +57,14 @@ class LeaderMixin(CoreState):
         self.L_commit_set: set[NodeId] = set()
         self.L_pending: dict[Contrib, float] = {}
         self.L_waiting_joiners: set[NodeId] = set()
+        self.L_reassigned: set[NodeId] = set()  # joiners told to join again for a lost stage
+        self.L_ready: dict[NodeId, PeerInfo] = {}  # waiting joiners as their Ready described them
         self.L_lost_from = NONE
         self.L_commits: dict[int, Commit] = {}  # stage -> the Commit of the current round
         self.L_contributors: set[NodeId] = set()
         self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}  # type: ignore[misc]
         if recovering:
-            return self._broadcast(Collect(iteration=self.L_t, leader=self.me.id), include_self=True)
+            return self._broadcast(Collect(term=self.term, iteration=self.L_t, leader=self.me.id), include_self=True)
         return self.start_iteration(self.L_t, now)
 
     def become_leader(self, now: float) -> list[Effect]:
@@ -88,12 +91,12 @@ class LeaderMixin(CoreState):
         self.L_haves, self.L_commit_set = set(), set()
         out: list[Effect] = [record("iter_start", iteration=t, members=len(self.directory))]
         for j in sorted(self.L_waiting_joiners):
-            out.append(self.send(j, Refetch(iteration=t)))
+            out.append(self.send(j, Refetch(term=self.term, iteration=t, stage=NONE)))
         self.L_waiting_joiners.clear()
         if any(not m for m in self._stage_members()):
             return out + self._pause(now)
         self.L_phase = "run"
-        out += self._broadcast(IterStart(iteration=t, leader=self.me.id), include_self=True)
+        out += self._broadcast(IterStart(term=self.term, iteration=t, leader=self.me.id), include_self=True)
         every = self.policy.rebalance_every
         return out + (self.rebalance(now) if every > 0 and t % every == 0 else [])
 
@@ -105,9 +108,42 @@ class LeaderMixin(CoreState):
         if self.L_phase != "paused":
             self.L_phase = "paused"
             self.L_lost_from = self.L_t
+            self.L_stalled_log_s = now
             empty = [k for k, m in enumerate(self._stage_members()) if not m]
-            return [record("stage_lost", stages=tuple(empty), iteration=self.L_t)]
+            out: list[Effect] = [record("stage_lost", stages=tuple(empty), iteration=self.L_t),
+                                 log("warning", "stalled", reason=f"stage {empty[0]} has no node")]
+            out += self._reassign_joiners(empty)
+            # joiners that were ready but waiting for the next iteration are members now (a
+            # paused swarm activates every Ready joiner; the rollback reloads their state)
+            horizon = now - self.cfg.evict_after_s
+            for j in sorted(self.L_waiting_joiners):
+                info = self.L_ready.get(j)
+                heard = self.last_hb.get(j)  # type: ignore[attr-defined]
+                if info is not None and heard is not None and heard >= horizon and self.L_phase == "paused" \
+                        and j not in self.directory:
+                    self.L_waiting_joiners.discard(j)
+                    self.pending_joiners.discard(j)  # type: ignore[attr-defined]
+                    out += self._activate(j, info, now)
+            return out
         return []
+
+    def _reassign_joiners(self, empty: list[int]) -> list[Effect]:
+        """A stage was lost while joiners were pending at stages that still have replicas: send
+        one per lost stage that no pending joiner takes over to join again (it is then assigned
+        the lost stage, the bottleneck), instead of leaving the swarm paused with them waiting."""
+        pending = {j: st for j, (st, _) in self.pending_stage.items()  # type: ignore[attr-defined]
+                   if j not in self.directory}
+        spare = sorted(j for j, st in pending.items() if st not in empty)
+        out: list[Effect] = []
+        for stage in empty:
+            if stage == 0 or stage in pending.values() or not spare:
+                continue
+            j = spare.pop(0)
+            self.L_waiting_joiners.discard(j)
+            self.L_reassigned.add(j)  # its Ready for the old stage, if in flight, is void
+            out += [record("joiner_reassigned", node=j, stage=stage),
+                    self.send(j, Refetch(term=self.term, iteration=self.L_t, stage=stage))]
+        return out
 
     def on_report(self, sender: NodeId, msg: Report, now: float) -> list[Effect]:
         if not self.is_leader or sender not in self.directory:
@@ -130,11 +166,11 @@ class LeaderMixin(CoreState):
         out: list[Effect] = []
         for pid, r in sorted(reports.items()):
             if r.version < top:  # the old leader died while sending Step: finish it
-                out.append(self.send(pid, Step(iteration=r.version, round=r.have_round)))
+                out.append(self.send(pid, Step(term=self.term, iteration=r.version, round=r.have_round)))
         self.L_t = top
         self.L_phase = "run"
         self.L_reports, self.L_expected, self.L_pending = {}, {}, {}
-        out += self._broadcast(IterStart(iteration=top, leader=self.me.id), include_self=True)
+        out += self._broadcast(IterStart(term=self.term, iteration=top, leader=self.me.id), include_self=True)
         for pid, r in sorted(reports.items()):
             if r.version == top and r.iteration == top:
                 out += self.on_report(pid, r, now)
@@ -147,7 +183,7 @@ class LeaderMixin(CoreState):
                 return []
             self.L_phase = "collect"
             out: list[Effect] = [record("collect", iteration=self.L_t)]
-            out += [self.send(p, Collect(iteration=self.L_t, leader=self.me.id))
+            out += [self.send(p, Collect(term=self.term, iteration=self.L_t, leader=self.me.id))
                     for p in sorted(self.directory) if p not in dhs]
             return out + self._check(now)
         if self.L_phase == "collect":
@@ -165,7 +201,7 @@ class LeaderMixin(CoreState):
         out: list[Effect] = []
         for victim in plan.resets:
             self.L_reports.pop(victim, None)
-            out.append(self.send(victim, Reset(iteration=self.L_t)))
+            out.append(self.send(victim, Reset(term=self.term, iteration=self.L_t)))
         if plan.resets:
             return out + [record("agg_reset", iteration=self.L_t, nodes=plan.resets)]
         for ch in plan.chains:
@@ -195,7 +231,7 @@ class LeaderMixin(CoreState):
             mbs = {p: tuple(sorted(contrib[p][1])) for p, _ in contributors}
             out.append(record("decision", iteration=self.L_t, round=self.L_round, stage=stage,
                               contributions=mbs, expected=tuple(sorted(self.L_expected.items()))))
-            msg = Commit(iteration=self.L_t, round=self.L_round, contributors=contributors, replicas=tuple(members))
+            msg = Commit(term=self.term, iteration=self.L_t, round=self.L_round, contributors=contributors, replicas=tuple(members))
             self.L_commits[stage] = msg
             out += [self.send(p, msg) for p in members]
         return out
@@ -224,7 +260,7 @@ class LeaderMixin(CoreState):
         t = self.L_t
         out: list[Effect] = [record("iteration_done", iteration=t, round=self.L_round,
                                     expected=sum(len(v) for v in self.L_expected.values()))]
-        out += [self.send(p, Step(iteration=t, round=self.L_round)) for p in sorted(self.L_commit_set)]
+        out += [self.send(p, Step(term=self.term, iteration=t, round=self.L_round)) for p in sorted(self.L_commit_set)]
         if (t + 1) % self.cfg.checkpoint_every == 0:
             out.append(record("checkpoint", version=t + 1))
         return out + self.start_iteration(t + 1, now)
@@ -256,10 +292,15 @@ class LeaderMixin(CoreState):
     def leader_tick(self, now: float) -> list[Effect]:
         if self.L_phase == "collect" and any(d <= now for d in self.L_pending.values()):
             return self._plan(now)
+        if self.L_phase == "paused" and now - getattr(self, "L_stalled_log_s", now) >= STALLED_LOG_PERIOD_S:
+            self.L_stalled_log_s = now
+            empty = [k for k, m in enumerate(self._stage_members()) if not m]
+            if empty:
+                return [log("warning", "stalled", reason=f"stage {empty[0]} has no node")]
         return []
 
     def on_ready(self, sender: NodeId, msg: Ready, now: float) -> list[Effect]:
-        if not self.is_leader:
+        if not self.is_leader or sender in self.L_reassigned:
             return []
         self.pending_joiners.discard(sender)  # type: ignore[attr-defined]
         self.last_hb[sender] = now  # type: ignore[attr-defined]
@@ -267,16 +308,17 @@ class LeaderMixin(CoreState):
             return self._activate(sender, from_tuple(msg.peer), now)
         self.pending_joiners.add(sender)  # type: ignore[attr-defined]
         self.L_waiting_joiners.add(sender)
+        self.L_ready[sender] = from_tuple(msg.peer)
         return []
 
     def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Effect]:
         self._dir_set(info)  # type: ignore[attr-defined]
         out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.L_t)]
-        out += self._broadcast(MemberUp(peer=to_tuple(info)), include_self=False)
+        out += self._broadcast(MemberUp(term=self.term, peer=to_tuple(info)), include_self=False)
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
         listed = self.welcomed_with.pop(pid, frozenset(self.directory))  # type: ignore[attr-defined]
-        out += [self.send(pid, MemberUp(peer=to_tuple(self.directory[q])))
+        out += [self.send(pid, MemberUp(term=self.term, peer=to_tuple(self.directory[q])))
                 for q in sorted(self.directory) if q not in listed and q not in (pid, self.me.id)]
         out += self._peer_up(info, now)  # type: ignore[attr-defined]
         if self.L_phase == "paused" and all(self._stage_members()):
@@ -287,6 +329,6 @@ class LeaderMixin(CoreState):
         ckpt = self.L_lost_from - self.L_lost_from % self.cfg.checkpoint_every
         out: list[Effect] = [record("rollback", lost_from=self.L_lost_from, version=ckpt,
                                     lost_iterations=self.L_lost_from - ckpt)]
-        out += self._broadcast(Rollback(version=ckpt, lost_from=self.L_lost_from), include_self=True)
+        out += self._broadcast(Rollback(term=self.term, version=ckpt, lost_from=self.L_lost_from), include_self=True)
         self.L_phase = "run"
         return out + self.start_iteration(ckpt, now)

@@ -138,7 +138,8 @@ class CoreState:
         self.view_sizes: dict[int, int] = {}  # stage sizes when this node started or joined (views)
         self.live_sizes: dict[int, int] = {}  # ... and now, in its directory (kept with views only)
         self._view_seen: dict[int, int | None] = {}  # most inclusive view threshold used, per stage
-        self.leader: NodeId = ""
+        self.leader: NodeId = ""  # the leader of `term`, "" while unknown
+        self.term = 0  # leadership term (epoch): the initial leader leads term 0 unelected
         self._job_seq = 0
         self.jobs: dict[int, tuple[str, Any]] = {}
         # ledger (cleared every iteration)

@@ -38,9 +38,11 @@ from gwtf.protocol.messages import (
     PeerTuple,
     Probe,
     Ready,
+    Refetch,
     StateRequest,
     StateTransfer,
     SuspectNotice,
+    TermNotice,
     Welcome,
     record,
 )
@@ -48,6 +50,9 @@ from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.view import Roster, mark, min_id, near_stages, pair_score, stage_sizes, stage_threshold
 
 UNKNOWN_STAGE_LOAD = 1e9  # utilisation reported for a stage with no live replica
+JOIN_TRIES = 8  # JoinRequests a joiner sends (each after a deadline) before it gives up
+STATE_TRIES = 6  # state requests to replicas before a joiner restores from the checkpoint
+STATE_DEADLINE_FACTOR = 4.0  # x the transfer's ack deadline: a state source that took longer failed
 
 
 def to_tuple(p: PeerInfo) -> PeerTuple:
@@ -65,21 +70,25 @@ class MembershipMixin(CoreState):
 
     def membership_start(self, now: float, known: list[PeerInfo] | Roster) -> list[Effect]:
         self.last_leader_s = now
+        members: Sequence[PeerInfo] = known.members if isinstance(known, Roster) else known
         self.last_hb: dict[NodeId, float] = {}
         self.pending_joiners: set[NodeId] = set()
         self.welcomed_with: dict[NodeId, frozenset[NodeId]] = {}  # leader: members a joiner's Welcome listed
         self.probing: set[tuple[str, NodeId]] = set()
-        self.votes: dict[NodeId, set[NodeId]] = {}
+        self.votes: dict[int, dict[NodeId, float]] = {}  # candidate: term -> voter -> when last heard
         self.vote_failed: set[NodeId] = set()
-        self.voted_for: NodeId = ""
+        self.voted_for: NodeId = ""  # the candidate this node voted for in `vote_term`
+        self.vote_term = 0
+        self.pending_stage: dict[NodeId, tuple[int, int]] = {}  # leader: joiner -> (assigned stage, capacity)
+        self.join_tries = 0  # joiner: JoinRequests sent without reaching a Welcome
+        self.contact: NodeId = members[0].id if self.me.stage < 0 and members else ""
+        self.state_source: NodeId = ""  # joiner: the replica a StateRequest went to
+        self.state_tries = 0
         self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / max(self.me.compute_s, 1e-9)
         out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
-        members: Sequence[PeerInfo] = known.members if isinstance(known, Roster) else known
         if self.me.stage < 0:
             out.append(record("join_start", node=self.me.id))
-            if members:
-                out.append(self.send(members[0].id, JoinRequest(peer=to_tuple(self.me))))
-            return out
+            return out + self.send_join(now)
         if self.cfg.view_size > 0:
             # bounded views (protocol.view): O(what this node keeps) from the shared roster
             roster = known if isinstance(known, Roster) else Roster(members)
@@ -201,58 +210,120 @@ class MembershipMixin(CoreState):
                 else:
                     self.last_hb.pop(pid, None)
                     self.pending_joiners.discard(pid)
+                    self.pending_stage.pop(pid, None)
+                    getattr(self, "L_waiting_joiners", set()).discard(pid)  # a silent joiner is gone
             return out
-        if not self.leader:
-            return out
+        if not self.active:
+            return out + self._joiner_tick(now)
         silent_s = now - self.last_leader_s
         if silent_s > self.cfg.partition_timeout_s:
             return out + self.stop("partitioned", now)
+        if not self.leader:
+            return out  # deposed, or told of a newer term without its leader: wait for it to speak
         if silent_s > self.cfg.evict_after_s and self.leader in self.directory:
             out += self._vote(now)
         elif silent_s > self.cfg.suspect_after_s:
             out.append(log("info", "leader_suspected", leader=self.leader))
-        if self.leader and self.leader != self.me.id:
-            out.append(self.send(self.leader, Heartbeat(version=self.version)))
+        if self.leader != self.me.id:
+            out.append(self.send(self.leader, Heartbeat(term=self.term, version=self.version)))
         return out
 
     def _vote(self, now: float) -> list[Effect]:
-        """The leader is silent: vote for the lowest-id data holder we can still reach.
-
-        A candidate takes over only with votes from a majority of the members, so a node cut
-        off from a live leader alone (one bad link) cannot start a second leader."""
+        """The leader is silent: vote for the lowest-id data holder we can still reach, in a term
+        above every term we know (Raft, section 5.2: one vote per voter per term, so a different
+        candidate takes a new term). The candidate leads only with a strict majority of the
+        members other than the old leader, so a node cut off from a live leader by one bad link
+        cannot start a second leader, and no two nodes lead the same term."""
         candidates = sorted(p for p, i in self.directory.items()
                             if i.stage == 0 and p != self.leader and p not in self.vote_failed)
         if not candidates:
             return []
         out: list[Effect] = []
-        if self.voted_for != candidates[0]:
-            out.append(record("leader_lost", node=self.me.id, leader=self.leader, vote=candidates[0]))
-        self.voted_for = candidates[0]
-        return out + [self.send(candidates[0], LeaderVote(old=self.leader))]
+        if self.voted_for != candidates[0] or self.vote_term <= self.term:
+            self.vote_term = max(self.vote_term, self.term) + 1
+            self.voted_for = candidates[0]
+            out.append(record("leader_lost", node=self.me.id, leader=self.leader, vote=candidates[0],
+                              term=self.vote_term))
+        return out + [self.send(candidates[0], LeaderVote(term=self.vote_term, old=self.leader))]
 
     def on_leader_vote(self, sender: NodeId, msg: LeaderVote, now: float) -> list[Effect]:
-        if self.is_leader or msg.old != self.leader or msg.old not in self.directory:
+        if sender not in self.directory:  # a pending joiner or a stranger is no voter
+            return [log("info", "vote_refused", voter=sender, reason="not a member")]
+        if self.is_leader or msg.term <= self.term or msg.old != self.leader or msg.old not in self.directory:
             return []
-        voters = self.votes.setdefault(msg.old, set())
-        voters.add(sender)
-        if 2 * len(voters) <= len(self.directory) - 1:
+        if self.vote_term > msg.term or (self.vote_term == msg.term and self.voted_for != self.me.id):
+            return []  # this node voted for another candidate in that term (or a later one)
+        ballots = self.votes.setdefault(msg.term, {})
+        ballots[sender] = now
+        # a ballot counts while its voter keeps resending it (every heartbeat while the leader is
+        # silent to it): a voter that heard from the leader again stops renewing its vote
+        horizon = now - self.cfg.evict_after_s
+        live = sum(1 for p, t in ballots.items() if t >= horizon and p in self.directory and p != msg.old)
+        if 2 * live <= len(self.directory) - 1:
             return []
         old = self.leader
-        self.leader = self.me.id
-        out: list[Effect] = [record("leader_change", node=self.me.id, leader=self.me.id, votes=len(voters))]
+        self._adopt_term(msg.term, self.me.id, now)
+        self.vote_term, self.voted_for = msg.term, self.me.id
+        out: list[Effect] = [record("leader_change", node=self.me.id, leader=self.me.id, votes=live, term=msg.term),
+                             record("leader_term", node=self.me.id, term=msg.term)]
         out += self.become_leader(now)
         return out + self.evict(old, False, now)
+
+    def _adopt_term(self, term: int, leader: NodeId, now: float) -> None:
+        """A newer term (or the leader of ours) is known: follow it; a leader of an older term
+        steps down."""
+        self.term = term
+        self.leader = leader
+        self.last_leader_s = now
+        self.votes = {t: v for t, v in self.votes.items() if t > term}
+        if self.is_leader and leader != self.me.id:
+            self.is_leader = False
+
+    def fence(self, sender: NodeId, term: int, from_leader: bool, now: float) -> tuple[bool, list[Effect]]:
+        """The term check every control message passes before its handler: (accept, effects).
+
+        From a leader (IterStart, Collect, Commit, Step, Reset, Rollback, MemberUp, MemberDown,
+        Evicted, Welcome, ...): an older term is refused and answered with ours; a newer one is
+        adopted with the sender as its leader (only a node elected for a term sends in it); in
+        our term only the term's leader is obeyed. To a leader (Report, Have, Heartbeat): an
+        older term is refused and answered; a newer one deposes this node."""
+        if sender == self.me.id:
+            return True, []
+        if term < self.term:
+            return False, [log("info", "stale_term_refused", sender=sender, term=term, current=self.term),
+                           self.send(sender, TermNotice(term=self.term, leader=self.leader))]
+        if from_leader:
+            if term > self.term or not self.leader:
+                return True, self._follow(term, sender, now)
+            if sender != self.leader:
+                return False, [log("warning", "control_refused", sender=sender, term=term, leader=self.leader)]
+            self.last_leader_s = now
+            return True, []
+        if term > self.term:
+            return True, self._follow(term, "", now)
+        return True, []
+
+    def _follow(self, term: int, leader: NodeId, now: float) -> list[Effect]:
+        was_leader = self.is_leader
+        self._adopt_term(term, leader, now)
+        return [record("leader_stepdown", node=self.me.id, term=term, leader=leader)] if was_leader else []
+
+    def on_term_notice(self, sender: NodeId, msg: TermNotice, now: float) -> list[Effect]:
+        if msg.term > self.term or (msg.term == self.term and not self.leader and msg.leader):
+            return self._follow(msg.term, msg.leader, now)
+        return []
 
     def vote_failed_to(self, peer: NodeId) -> None:
         self.vote_failed.add(peer)
 
     def on_heartbeat(self, sender: NodeId, msg: Heartbeat, now: float) -> list[Effect]:
-        if sender not in self.directory and sender not in self.pending_joiners:
-            return [self.send(sender, Evicted())]  # a zombie the leader evicted: stop it
         if not self.is_leader:
-            return []
+            # the sender takes us for its leader: tell it whom we follow
+            return [self.send(sender, TermNotice(term=self.term, leader=self.leader))] if self.leader else []
+        if sender not in self.directory and sender not in self.pending_joiners:
+            return [self.send(sender, Evicted(term=self.term))]  # a zombie the leader evicted: stop it
         self.last_hb[sender] = now
-        return [self.send(sender, HeartbeatAck(leader=self.me.id, iteration=self.iteration))]
+        return [self.send(sender, HeartbeatAck(term=self.term, leader=self.me.id, iteration=self.iteration))]
 
     def on_heartbeat_ack(self, sender: NodeId, msg: HeartbeatAck, now: float) -> list[Effect]:
         if sender == self.leader:
@@ -262,11 +333,13 @@ class MembershipMixin(CoreState):
     # ---- failures ----------------------------------------------------------------------
 
     def evict(self, pid: NodeId, graceful: bool, now: float) -> list[Effect]:
-        """Leader: declare `pid` dead and tell everyone."""
+        """Leader: declare `pid` dead and tell everyone, the joiners still pending included (one
+        of them may be fetching its state from `pid`)."""
         self.last_hb.pop(pid, None)
         out: list[Effect] = [record("evict", node=pid, by=self.me.id, graceful=graceful)]
-        msg = MemberDown(node=pid, graceful=graceful)
+        msg = MemberDown(term=self.term, node=pid, graceful=graceful)
         out += [self.send(q, msg) for q in sorted(self.directory) if q not in (pid, self.me.id)]
+        out += [self.send(q, msg) for q in sorted(self.pending_joiners) if q != pid and q not in self.directory]
         return out + self.peer_down(pid, now)
 
     def suspect(self, peer: NodeId, now: float) -> list[Effect]:
@@ -296,10 +369,10 @@ class MembershipMixin(CoreState):
         if ("probe", msg.node) in self.probing:
             return []
         self.probing.add(("probe", msg.node))
-        return [self.send(msg.node, Probe()), self.timer(("probe", msg.node, now), self.cfg.deadline_floor_s, now)]
+        return [self.send(msg.node, Probe(term=self.term)), self.timer(("probe", msg.node, now), self.cfg.deadline_floor_s, now)]
 
     def on_probe(self, sender: NodeId, msg: Probe, now: float) -> list[Effect]:
-        return [self.send(sender, Heartbeat(version=self.version))]
+        return [self.send(sender, Heartbeat(term=self.term, version=self.version))]
 
     def on_probe_timer(self, peer: NodeId, sent_s: float, now: float) -> list[Effect]:
         self.probing.discard(("probe", peer))
@@ -308,14 +381,20 @@ class MembershipMixin(CoreState):
         return []
 
     def on_member_down(self, sender: NodeId, msg: MemberDown, now: float) -> list[Effect]:
+        # (a new leader's MemberDown of the old one passed `fence`, which made the sender our leader)
         if msg.node == self.me.id:
-            return self.stop("evicted", now)
-        if msg.node == self.leader and sender != msg.node:  # a new leader evicted the old one
-            self.leader = sender
-            self.last_leader_s = now
-        return self.peer_down(msg.node, now)
+            return self.on_evicted(sender, Evicted(term=msg.term), now)
+        out = self.peer_down(msg.node, now)
+        if not self.active and self.me.stage >= 0 and msg.node == self.state_source:
+            out += [record("state_source_lost", node=self.me.id, source=msg.node)]
+            out += self.fetch_state(self.checkpoint_version(), now)
+        return out
 
     def on_evicted(self, sender: NodeId, msg: Evicted, now: float) -> list[Effect]:
+        """A member the leader declared dead stops (a zombie); a joiner that never served
+        (e.g. silent too long while it built its stage) joins again instead, boundedly."""
+        if not self.active:
+            return self.rejoin("evicted", now)
         return self.stop("evicted", now)
 
     def stop(self, reason: str, now: float) -> list[Effect]:
@@ -345,11 +424,15 @@ class MembershipMixin(CoreState):
             elif g.redo_start != NONE and g.path[g.redo_start - 1] == pid:
                 out += self.redo_failed(mb, now)  # type: ignore[attr-defined]
         successor = False
-        if pid == self.leader:  # the leader left gracefully: the next data holder by id leads
-            self.leader = self._choose_leader()
-            self.last_leader_s = now
+        if pid == self.leader:
+            # the leader left gracefully: it hands the next term to the next data holder by id
+            # (every node keeps every data holder, so all name the same successor)
+            self._adopt_term(self.term + 1, self._choose_leader(), now)
             successor = self.leader == self.me.id
-            out.append(record("leader_change", node=self.me.id, leader=self.leader))
+            out.append(record("leader_change", node=self.me.id, leader=self.leader, term=self.term))
+            if successor:
+                self.vote_term, self.voted_for = self.term, self.me.id
+                out.append(record("leader_term", node=self.me.id, term=self.term))
         out += self.on_member_dead(pid, info.stage, now)
         return out + (self.become_leader(now) if successor else [])
 
@@ -370,6 +453,8 @@ class MembershipMixin(CoreState):
     def on_member_up(self, sender: NodeId, msg: MemberUp, now: float) -> list[Effect]:
         p = from_tuple(msg.peer)
         if p.id == self.me.id:
+            if self.me.stage < 0 or p.stage != self.me.stage:
+                return []  # an activation for a stage we left (we were sent to join again)
             self.active = True
             self.iteration = self.version
             return [record("activated", node=self.me.id, stage=self.me.stage, version=self.version)]
@@ -387,42 +472,93 @@ class MembershipMixin(CoreState):
         if self.leader and self.leader != self.me.id:
             out.append(self.send(self.leader, LeaveNotice()))
         elif self.is_leader:
-            out += [self.send(q, MemberDown(node=self.me.id, graceful=True))
+            out += [self.send(q, MemberDown(term=self.term, node=self.me.id, graceful=True))
                     for q in sorted(self.directory) if q != self.me.id]
         self.alive = False
         return out
 
     # ---- join --------------------------------------------------------------------------
 
+    def join_deadline_s(self) -> float:
+        """How long a joiner waits for a Welcome (or a relay's state) before it asks again."""
+        return max(2.0 * self.cfg.evict_after_s, 4.0 * self.cfg.deadline_floor_s)
+
+    def send_join(self, now: float) -> list[Effect]:
+        """Joiner: ask to join through the leader, a data holder or the contact, in turn (each of
+        them forwards to its leader), with a deadline; after JOIN_TRIES without a Welcome it
+        gives up loudly (`self_stop` reason join_failed)."""
+        self.join_tries += 1
+        if self.join_tries > JOIN_TRIES:
+            return self.stop("join_failed", now)
+        dhs = sorted(p for p, i in self.directory.items() if i.stage == 0 and p != self.me.id)
+        ways = ([self.leader] if self.leader and self.leader != self.me.id else []) + dhs + \
+            ([self.contact] if self.contact else [])
+        out: list[Effect] = [self.timer(("join", 0), self.join_deadline_s(), now)]
+        if ways:
+            out.append(self.send(ways[(self.join_tries - 1) % len(ways)], JoinRequest(peer=to_tuple(self.me))))
+        return out
+
+    def on_join_timer(self, _: object, now: float) -> list[Effect]:
+        if self.active or self.me.stage >= 0 or not self.alive:
+            return []
+        return [record("join_retry", node=self.me.id, tries=self.join_tries)] + self.send_join(now)
+
+    def rejoin(self, reason: str, now: float) -> list[Effect]:
+        """A joiner that lost its leader, or was evicted before it served, starts over."""
+        self.me = replace(self.me, stage=-1)
+        self.state_source = ""
+        self.leader = ""
+        return [record("rejoin", node=self.me.id, reason=reason)] + self.send_join(now)
+
+    def _joiner_tick(self, now: float) -> list[Effect]:
+        """Heartbeat timer of a node that is not (yet) a member: a pending joiner keeps the
+        leader informed, and joins again when its leader fell silent."""
+        if self.me.stage < 0 or not self.leader:
+            return []  # waiting for a Welcome: the join timer drives this phase
+        if now - self.last_leader_s > self.cfg.evict_after_s:
+            return self.rejoin("leader_lost", now)
+        return [self.send(self.leader, Heartbeat(term=self.term, version=self.version))]
+
     def on_join_request(self, sender: NodeId, msg: JoinRequest, now: float) -> list[Effect]:
         if not self.is_leader:
             return [self.send(self.leader, msg)] if self.leader else []
         joiner = msg.peer[0]
+        getattr(self, "L_reassigned", set()).discard(joiner)
         self.pending_joiners.add(joiner)
         self.last_hb[joiner] = now
+        self.pending_stage.pop(joiner, None)  # a retry: assign afresh
         members = tuple(to_tuple(self.directory[p]) for p in sorted(self.directory))
         self.welcomed_with[joiner] = frozenset(self.directory)
-        welcome = Welcome(members=members, utilisation=self.utilisation(),
+        util = self.utilisation()
+        stage = bottleneck_stage(util)
+        self.pending_stage[joiner] = (stage, msg.peer[4])
+        welcome = Welcome(term=self.term, stage=stage, members=members, utilisation=util,
                           iteration=self.iteration, checkpoint_iteration=self.checkpoint_version())
         return [self.send(joiner, welcome)]
 
     def utilisation(self) -> tuple[float, ...]:
-        """Per stage: microbatches per iteration / the stage's live capacity."""
+        """Per stage: microbatches per iteration / the stage's live capacity, counting the
+        joiners still pending at the stage they were assigned (so nodes that join together
+        spread over the stages that need them)."""
         cap = [0] * self.S
         demand = 0
         for p in self.directory.values():
             cap[p.stage] += p.capacity
             if p.stage == 0:
                 demand += min(self.train.microbatches, p.capacity)
+        for pid, (stage, capacity) in self.pending_stage.items():
+            if pid not in self.directory and 0 <= stage < self.S:
+                cap[stage] += capacity
         return tuple(demand / c if c else UNKNOWN_STAGE_LOAD for c in cap)
 
     def checkpoint_version(self) -> int:
         return self.version - self.version % self.cfg.checkpoint_every
 
     def on_welcome(self, sender: NodeId, msg: Welcome, now: float) -> list[Effect]:
-        if self.me.stage >= 0:
+        if self.me.stage >= 0 or self.active:
             return []
         util = msg.utilisation
+        self.assigned_stage = msg.stage
         stage = self.choose_join_stage(util)
         self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / self.speed_flops_per_s)
         factory = getattr(self, "router_factory", None)
@@ -443,6 +579,7 @@ class MembershipMixin(CoreState):
         self.leader = sender
         self.last_leader_s = now
         self.iteration = msg.iteration
+        self.state_tries = 0
         out: list[Effect] = [record("join_stage", node=self.me.id, stage=stage, utilisation=util[stage])]
         if factory is not None:
             out += list(self.router.on_start(now))
@@ -450,18 +587,47 @@ class MembershipMixin(CoreState):
             out += self._peer_up(self.directory[pid], now)
         return out + self.fetch_state(msg.checkpoint_iteration, now)
 
+    assigned_stage: int = -1
+
     def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
-        """The bottleneck relay stage (highest utilisation; ties: lowest). Policies may override."""
-        return max(range(1, self.S), key=lambda k: (utilisation[k], -k))
+        """The stage the leader assigned (it counts the joiners still pending), else the
+        bottleneck relay stage (highest utilisation; ties: lowest). Policies may override."""
+        if 1 <= self.assigned_stage < self.S:
+            return self.assigned_stage
+        return bottleneck_stage(utilisation)
 
     def fetch_state(self, checkpoint: int, now: float) -> list[Effect]:
-        replicas = sorted(p for p, info in self.directory.items() if info.stage == self.me.stage and p != self.me.id)
+        """Ask a live replica of our stage for its state (with a deadline: a source that dies
+        or stalls is replaced by another, `on_state_timer`), or load the stage's checkpoint
+        when it has no replica (or every replica failed us STATE_TRIES times)."""
+        failed: set[NodeId] = getattr(self, "state_failed_from", set())
+        replicas = sorted(p for p, info in self.directory.items()
+                          if info.stage == self.me.stage and p != self.me.id and p not in failed)
         size = self.train.stage_state_bytes[self.me.stage]
-        if replicas:
-            return [self.send(self.rng.choice(replicas), StateRequest(stage=self.me.stage))]
+        self.state_tries += 1
+        if replicas and self.state_tries <= STATE_TRIES:
+            src = self.rng.choice(replicas)
+            self.state_source = src
+            deadline = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * self.ack_deadline_s(src, size))
+            return [self.send(src, StateRequest(stage=self.me.stage)),
+                    self.timer(("sget", 0), deadline, now)]
+        self.state_source = "checkpoint"
         key = ("state", self.me.stage, checkpoint, "checkpoint")
         job = self.job("load_checkpoint", checkpoint)
         return [Compute(job, "load_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+
+    def on_state_timer(self, _: object, now: float) -> list[Effect]:
+        src = self.state_source
+        if self.active or self.me.stage < 0 or src in ("", "checkpoint"):
+            return []
+        self._state_failed(src)
+        return [record("state_timeout", node=self.me.id, source=src)] + \
+            self.fetch_state(self.checkpoint_version(), now)
+
+    def _state_failed(self, src: NodeId) -> None:
+        failed: set[NodeId] = getattr(self, "state_failed_from", set())
+        failed.add(src)
+        self.state_failed_from = failed
 
     def on_state_request(self, sender: NodeId, msg: StateRequest, now: float) -> list[Effect]:
         if msg.stage != self.me.stage or not self.active:
@@ -472,9 +638,11 @@ class MembershipMixin(CoreState):
         return [Compute(job, "export_state", self.me.stage, None, 0.0, (), (key,), size)]
 
     def on_state_transfer(self, sender: NodeId, msg: StateTransfer, now: float) -> list[Effect]:
-        if self.active or msg.stage != self.me.stage:
+        if self.active or msg.stage != self.me.stage or sender != self.state_source:
             return []
+        self.state_source = ""
         if not msg.ok:
+            self._state_failed(sender)
             return self.fetch_state(self.checkpoint_version(), now)
         job = self.job("import_state", msg.version)
         return [Compute(job, "import_state", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
@@ -486,9 +654,10 @@ class MembershipMixin(CoreState):
             return [self.send_booked(to, StateTransfer(stage=self.me.stage, version=version, key=key, size_bytes=size),
                                      now)]
         if kind in ("import_state", "load_checkpoint"):
-            self.version = int(ref)
-            if self.active:
+            if self.active or self.me.stage < 0:
                 return []
+            self.version = int(ref)
+            self.state_source = ""
             return [self.send(self.leader, Ready(stage=self.me.stage, version=self.version, peer=to_tuple(self.me)))]
         return []
 
@@ -496,7 +665,16 @@ class MembershipMixin(CoreState):
         """Importing fetched state (or loading the checkpoint) failed: fetch again."""
         return self.fetch_state(self.checkpoint_version(), now)
 
-    def on_refetch(self, sender: NodeId, msg: object, now: float) -> list[Effect]:
+    def on_refetch(self, sender: NodeId, msg: Refetch, now: float) -> list[Effect]:
         if self.active:
             return []
+        if msg.stage >= 1 and msg.stage != self.me.stage:
+            return self.rejoin("reassigned", now)  # our stage was lost meanwhile: take it over
+        self.state_tries = 0
+        self.state_failed_from = set()
         return self.fetch_state(self.checkpoint_version(), now)
+
+
+def bottleneck_stage(utilisation: Sequence[float]) -> int:
+    """The relay stage with the highest utilisation (ties: the lowest stage)."""
+    return max(range(1, len(utilisation)), key=lambda k: (utilisation[k], -k))

@@ -204,6 +204,7 @@ PeerTuple = tuple[str, int, str, float, int, int]
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(Message):
     TYPE = "mem.hb"
+    term: int  # the sender's current term (a leader that sees a higher one steps down)
     version: int
 
 
@@ -211,6 +212,7 @@ class Heartbeat(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HeartbeatAck(Message):
     TYPE = "mem.hback"
+    term: int
     leader: NodeId
     iteration: int
 
@@ -227,10 +229,23 @@ class SuspectNotice(Message):
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LeaderVote(Message):
-    """A node that lost the leader `old` votes for the receiver to take over (majority wins)."""
+    """A member that lost the leader `old` votes for the receiver to lead `term` (one vote per
+    voter per term; a strict majority of the members other than `old` elects)."""
 
     TYPE = "mem.vote"
+    term: int
     old: NodeId
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TermNotice(Message):
+    """Answer to a message of an older term, or to a heartbeat sent to a node that does not
+    lead: the term and leader the receiver knows, so a stale node catches up."""
+
+    TYPE = "mem.term"
+    term: int
+    leader: NodeId
 
 
 @message
@@ -239,12 +254,14 @@ class Probe(Message):
     """Leader to a suspected node: answer with a Heartbeat now."""
 
     TYPE = "mem.probe"
+    term: int
 
 
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemberUp(Message):
     TYPE = "mem.up"
+    term: int
     peer: PeerTuple
 
 
@@ -252,6 +269,7 @@ class MemberUp(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemberDown(Message):
     TYPE = "mem.down"
+    term: int
     node: NodeId
     graceful: bool = False
 
@@ -262,6 +280,7 @@ class Evicted(Message):
     """Leader to a node it has already declared dead: stop (rejoin under a new id)."""
 
     TYPE = "mem.evicted"
+    term: int
 
 
 @message
@@ -285,6 +304,8 @@ class Welcome(Message):
     """Leader to a joiner: the directory, per-stage utilisation, and where to fetch state."""
 
     TYPE = "mem.welcome"
+    term: int
+    stage: int  # the stage the leader assigns (counting joiners still pending); -1: choose
     members: tuple[PeerTuple, ...]
     utilisation: tuple[float, ...]
     iteration: int
@@ -327,6 +348,8 @@ class Refetch(Message):
     """Leader to a joiner whose state is stale (the swarm stepped meanwhile)."""
 
     TYPE = "mem.refetch"
+    term: int
+    stage: int = -1  # >= 1: the stage was lost, join again to take it over (-1: fetch again, same stage)
     iteration: int
 
 
@@ -341,6 +364,7 @@ class IterStart(Message):
     """Leader: iteration `iteration` begins (replicas hold weight version == iteration)."""
 
     TYPE = "agg.start"
+    term: int
     iteration: int
     leader: NodeId
 
@@ -351,6 +375,7 @@ class Collect(Message):
     """Leader: report your state for `iteration` (also sent by a new leader after failover)."""
 
     TYPE = "agg.collect"
+    term: int
     iteration: int
     leader: NodeId
 
@@ -362,6 +387,7 @@ class Report(Message):
     data holder whether it is done and which of its microbatches completed."""
 
     TYPE = "agg.report"
+    term: int
     iteration: int
     version: int
     stage: int
@@ -377,6 +403,7 @@ class Reset(Message):
     """Leader: discard your accumulated gradient of `iteration` (it duplicated another's)."""
 
     TYPE = "agg.reset"
+    term: int
     iteration: int
 
 
@@ -388,6 +415,7 @@ class Commit(Message):
     Contributors send their gradient to every other replica listed in `replicas`."""
 
     TYPE = "agg.commit"
+    term: int
     iteration: int
     round: int
     contributors: tuple[tuple[NodeId, int], ...]
@@ -411,6 +439,7 @@ class Have(Message):
     contributor's gradient, so contributors that die from now on no longer matter)."""
 
     TYPE = "agg.have"
+    term: int
     iteration: int
     round: int
 
@@ -421,6 +450,7 @@ class Step(Message):
     """Leader: apply the step of `iteration` with the gradients of round `round`."""
 
     TYPE = "agg.step"
+    term: int
     iteration: int
     round: int
 
@@ -431,5 +461,6 @@ class Rollback(Message):
     """Leader: a whole stage was lost; reload checkpoint `version` and resume from there."""
 
     TYPE = "agg.rollback"
+    term: int
     version: int
     lost_from: int

@@ -31,8 +31,7 @@ from typing import Any
 from gwtf.protocol.base import Message, NodeId, message
 from gwtf.protocol.core import NodeCore
 from gwtf.protocol.ledger import CoreState, Effect, Policy
-from gwtf.protocol.membership import to_tuple
-from gwtf.protocol.messages import JoinRequest, LeaveNotice, record
+from gwtf.protocol.messages import LeaveNotice, record
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 
 __all__ = ["GWTF_REBALANCE_POLICY", "GwtfCore", "RebalanceMixin", "StageMove", "plan_gwtf_move", "stage_times_s"]
@@ -48,6 +47,7 @@ class StageMove(Message):
     """Leader to a relay: leave your stage and serve `stage` (gwtf's rebalancing)."""
 
     TYPE = "mem.move"
+    term: int
     stage: int
 
 
@@ -123,8 +123,8 @@ class RebalanceMixin(CoreState):
         self.suspects.clear()
         self.me = replace(self.me, stage=-1)
         out.append(self.send(self.leader, LeaveNotice()))
-        out.append(self.send(self.leader, JoinRequest(peer=to_tuple(self.me))))
-        return out
+        self.join_tries = 0
+        return out + self.send_join(now)  # type: ignore[attr-defined,no-any-return]
 
     def take_move_target(self) -> int:
         """The stage a moving peer was sent to (once), or -1 for an ordinary joiner."""
@@ -253,7 +253,7 @@ class GwtfCore(RebalanceMixin, NodeCore):
         if move is None:
             return [record("rebalance", moved="", to=-1)]
         pid, target = move
-        return [record("rebalance", moved=pid, to=target), self.send(pid, StageMove(stage=target))]
+        return [record("rebalance", moved=pid, to=target), self.send(pid, StageMove(term=self.term, stage=target))]
 
     def _download_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
         """Per peer: seconds to fetch the largest stage state at its mean link bandwidth."""

@@ -239,7 +239,7 @@ class SwarmCore(RebalanceMixin, NodeCore):
         if move is None:
             return [record("rebalance", moved="", to=-1)]
         pid, target = move
-        return [record("rebalance", moved=pid, to=target), self.send(pid, SwarmMove(stage=target))]
+        return [record("rebalance", moved=pid, to=target), self.send(pid, SwarmMove(term=self.term, stage=target))]
 
     # -- relay side --------------------------------------------------------------------------
 

@@ -12,8 +12,14 @@ there are none.
    and reach version t+1 (a replica that stepped otherwise and then died does not count: its
    state died with it).
 3. Progress / no microbatch in flight forever: an iteration completes at least every
-   `progress_bound_s` unless a whole stage is lost; a run that ends before its iterations
-   without a lost stage deadlocked. At the end, all live active replicas hold the same version.
+   `progress_bound_s` unless a whole stage is lost; at the end, all live active replicas hold
+   the same version. A run that ends before its iterations is excused only for a reason the
+   checker names (`stop_reason`): "no data holder left", or "stage K lost with no node left
+   for it" (no live node that could still take the stage over, e.g. a joiner); anything else
+   (a joiner waiting on a dead state source, a lost quorum, a hang) is a deadlock.
+4. Fenced leadership: no two nodes lead the same term (`leader_term` records), and no
+   (stage, version) is stepped with two different contents (round and contributors) by
+   replicas that are still alive: `divergent_step` in 2.
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -38,6 +44,8 @@ class InvariantChecker:
         self.applied: dict[tuple[int, int, int], tuple[int, tuple[str, ...], set[str]]] = {}
         self.last_progress_s = 0.0
         self.stage_lost = False
+        self.leaders: dict[int, str] = {}  # term -> the node that led it
+        self.stop_reason = ""  # why an unfinished run stopped, when it is an allowed reason
 
     def violate(self, text: str) -> None:
         self.count += 1
@@ -56,6 +64,11 @@ class InvariantChecker:
             self.decisions[key] = {"time": now, "contributions": f["contributions"], "expected": f["expected"]}
         elif event == "step":
             self._on_step(now, node, f)
+        elif event == "leader_term":
+            term = f["term"]
+            first = self.leaders.setdefault(term, node)
+            if first != node:
+                self.violate(f"two_leaders: {first} and {node} both lead term {term}")
         elif event == "iteration_done":
             self._progress(now)
             self.stage_lost = False
@@ -120,10 +133,33 @@ class InvariantChecker:
                 self.violate(f"dropped_live_dh: {dh} iteration {it} stage {stage} expected "
                              f"{sorted(expected.get(dh, ()))} started {sorted(idx)}")
 
-    def finish(self, now: float, finished: bool, stage_lost: bool, versions: dict[str, int]) -> None:
-        if not finished and not stage_lost:
-            self.violate(f"deadlock: run ended at t={now:.1f} before its iterations with every stage alive")
+    def finish(self, now: float, finished: bool, stage_lost: bool, versions: dict[str, int],
+               live: dict[str, tuple[int, bool]] | None = None) -> None:
+        """End of run. `live`: every node still running -> (stage, is an active member); a
+        joiner that has not chosen its stage yet has stage -1. Without it (old callers) a lost
+        stage alone excuses an unfinished run."""
         if finished and len(set(versions.values())) > 1:
             self.violate(f"final_versions_differ: {sorted(set(versions.values()))}")
-        if not finished and not stage_lost:
+        if finished:
+            return
+        self.stop_reason = stop_reason(self.stages, live) if live is not None else \
+            ("a stage lost" if stage_lost else "")
+        if not self.stop_reason:
+            self.violate(f"deadlock: run ended at t={now:.1f} before its iterations, "
+                         f"{'with a lost stage that a live node could take' if stage_lost else 'every stage alive'}")
             self._progress(now)
+
+
+def stop_reason(stages: int, live: dict[str, tuple[int, bool]]) -> str:
+    """The allowed reason an unfinished run stopped, or "" when there is none: no data holder
+    left, or a stage with no active replica and no live node that could still take it (a node
+    not yet active: a joiner, which would take the lost stage)."""
+    if not any(stage == 0 and active for stage, active in live.values()):
+        return "no data holder left"
+    covered = {stage for stage, active in live.values() if active}
+    lost = [k for k in range(stages) if k not in covered]
+    if not lost:
+        return ""
+    if any(not active for _, active in live.values()):
+        return ""  # a live joiner could have taken the stage over: it is stuck
+    return f"stage {lost[0]} lost with no node left for it"

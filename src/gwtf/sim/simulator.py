@@ -341,10 +341,12 @@ class Simulator:
         versions = {n: c.version for n, c in sorted(self.cores.items()) if c.active and n in members}
         covered = {c.me.stage for c in self.cores.values() if c.active}
         lost = self.stage_lost or len(covered) < self.train.stages
-        self.checker.finish(now, self.finished, lost, versions)
+        live = {n: (c.me.stage, c.active) for n, c in sorted(self.cores.items()) if c.alive}
+        self.checker.finish(now, self.finished, lost, versions, live)
         out = self.metrics.summary(now, self.train.iterations)
         out["microbatches_dropped"] = self.metrics.counters.get("microbatches_dropped", 0)
         out["invariant_violations"] = self.checker.count
+        out["stop_reason"] = "" if self.finished else self.checker.stop_reason
         out["violations"] = self.checker.violations[:10]
         out["events"] = self.engine.events_run
         out["nodes_end"] = len(self.cores)
