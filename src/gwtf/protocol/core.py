@@ -113,7 +113,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
     def _resume(self, now: float) -> list[Effect]:
         # A fresh swarm (nothing trained yet) stays paused until every initial node is a member,
         # so all of them train from iteration 0 (equivalence with the reference trainer).
-        fresh = self.version == 0 and getattr(self, "L_lost_from", 0) <= 0
+        fresh = self.version == 0 and getattr(getattr(self, "lead", None), "lost_from", 0) <= 0
         if fresh and len(self.directory) < self.start_members:
             return []
         return list(super()._resume(now))

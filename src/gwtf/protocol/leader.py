@@ -13,10 +13,13 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from enum import StrEnum
+
 from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId, log
 from gwtf.protocol.ledger import NONE, CoreState, Effect
-from gwtf.protocol.membership import from_tuple, to_tuple
+from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, from_tuple, to_tuple
 from gwtf.protocol.messages import (
     Collect,
     Commit,
@@ -35,8 +38,47 @@ from gwtf.protocol.messages import (
 from gwtf.protocol.router import PeerInfo
 
 ROUND_GAP = 1000  # round numbers a crashed leader may have used unseen
+ADMIT_AFTER_REFETCHES = 2  # a joiner stale at this many iteration starts is waited for at the next
 STALLED_LOG_PERIOD_S = 5.0  # a paused leader repeats why it is stalled this often
 CHAIN_DEADLINE_FACTOR = 6.0  # a redo chain not covered after this x ack deadline is planned again
+
+
+class Phase(StrEnum):
+    """Where the leader is in its iteration (the transitions: docs/protocol.md, iteration barrier)."""
+
+    RUN = "run"  # data holders train their microbatches
+    COLLECT = "collect"  # every member reports its contributions; redo chains until covered
+    COMMIT = "commit"  # contributors' gradients are reduced; waiting for every Have
+    RECOVER = "recover"  # a new leader re-collects every node's state
+    PAUSED = "paused"  # a stage has no replica: no iteration until a node takes it over
+    ADMIT = "admit"  # the next iteration waits (bounded) for joiners whose state kept going stale
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class LeaderState:
+    """Everything a leader knows of its term's iterations, owned by the leadership alone: built
+    when a node starts to lead (`leader_init`), consulted only while `is_leader`."""
+
+    term: int
+    t: int  # the iteration being run
+    phase: Phase
+    round: int  # the last commit round used (a new leader starts ROUND_GAP above any seen)
+    stalled_log_s: float = 0.0
+    reports: dict[NodeId, Report] = field(default_factory=dict)
+    expected: dict[NodeId, tuple[int, ...]] = field(default_factory=dict)  # data holder -> its microbatches
+    haves: set[NodeId] = field(default_factory=set)
+    commit_set: set[NodeId] = field(default_factory=set)
+    pending: dict[Contrib, float] = field(default_factory=dict)  # aggregation redo chain -> deadline
+    waiting: set[NodeId] = field(default_factory=set)  # joiners ready for an older version
+    reassigned: set[NodeId] = field(default_factory=set)  # joiners told to join again for a lost stage
+    ready: dict[NodeId, PeerInfo] = field(default_factory=dict)  # waiting joiners as their Ready described them
+    lost_from: int = NONE  # the iteration at which a stage was lost (paused)
+    commits: dict[int, Commit] = field(default_factory=dict)  # stage -> the Commit of the current round
+    contributors: set[NodeId] = field(default_factory=set)
+    refetches: dict[NodeId, int] = field(default_factory=dict)  # joiner -> Refetches sent
+    admitting: set[NodeId] = field(default_factory=set)  # joiners the held iteration start waits for
+    admit_until_s: float = 0.0
 
 
 class LeaderMixin(CoreState):
@@ -44,28 +86,20 @@ class LeaderMixin(CoreState):
 
     is_leader: bool = False
 
+    lead: LeaderState  # this node's leadership: set by leader_init, read only while is_leader
+
     def leader_init(self, now: float, recovering: bool) -> list[Effect]:
         self.is_leader = True
-        self.L_t = self.iteration
-        self.L_phase = "recover" if recovering else "run"
-        self.L_reports: dict[NodeId, Report] = {}
-        self.L_expected: dict[NodeId, tuple[int, ...]] = {}
         # a new leader's rounds must not collide with commits the old one may have sent
         seen = max(getattr(self, "have_round", NONE), getattr(getattr(self, "commit", None), "round", NONE))
-        self.L_round = max(getattr(self, "L_round", 0), seen) + (ROUND_GAP if recovering else 0)
-        self.L_haves: set[NodeId] = set()
-        self.L_commit_set: set[NodeId] = set()
-        self.L_pending: dict[Contrib, float] = {}
-        self.L_waiting_joiners: set[NodeId] = set()
-        self.L_reassigned: set[NodeId] = set()  # joiners told to join again for a lost stage
-        self.L_ready: dict[NodeId, PeerInfo] = {}  # waiting joiners as their Ready described them
-        self.L_lost_from = NONE
-        self.L_commits: dict[int, Commit] = {}  # stage -> the Commit of the current round
-        self.L_contributors: set[NodeId] = set()
+        prev: LeaderState | None = getattr(self, "lead", None)
+        last = prev.round if prev is not None else 0
+        self.lead = LeaderState(term=self.term, t=self.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
+                                round=max(last, seen) + (ROUND_GAP if recovering else 0), stalled_log_s=now)
         self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}  # type: ignore[misc]
         if recovering:
-            return self._broadcast(Collect(term=self.term, iteration=self.L_t, leader=self.me.id), include_self=True)
-        return self.start_iteration(self.L_t, now)
+            return self._broadcast(Collect(term=self.term, iteration=self.lead.t, leader=self.me.id), include_self=True)
+        return self.start_iteration(self.lead.t, now)
 
     def become_leader(self, now: float) -> list[Effect]:
         return [record("leader_takeover", node=self.me.id, iteration=self.iteration)] + \
@@ -84,19 +118,38 @@ class LeaderMixin(CoreState):
 
     def start_iteration(self, t: int, now: float) -> list[Effect]:
         if self.train.iterations and t >= self.train.iterations:
-            self.L_phase = "finished"
+            self.lead.phase = Phase.FINISHED
             return [record("training_done", iterations=t)]
-        self.L_t = t
-        self.L_reports, self.L_expected, self.L_pending = {}, {}, {}
-        self.L_haves, self.L_commit_set = set(), set()
+        self.lead.t = t
+        self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
+        self.lead.haves, self.lead.commit_set = set(), set()
         out: list[Effect] = [record("iter_start", iteration=t, members=len(self.directory))]
-        for j in sorted(self.L_waiting_joiners):
+        held: list[NodeId] = []
+        for j in sorted(self.lead.waiting):
             out.append(self.send(j, Refetch(term=self.term, iteration=t, stage=NONE)))
-        self.L_waiting_joiners.clear()
+            self.lead.refetches[j] = self.lead.refetches.get(j, 0) + 1
+            if self.lead.refetches[j] >= ADMIT_AFTER_REFETCHES:
+                held.append(j)
+        self.lead.waiting.clear()
         if any(not m for m in self._stage_members()):
             return out + self._pause(now)
-        self.L_phase = "run"
-        out += self._broadcast(IterStart(term=self.term, iteration=t, leader=self.me.id), include_self=True)
+        if held:
+            # these joiners' state went stale again: fetching it takes longer than an iteration,
+            # so hold this iteration's start until they are Ready at it (bounded) instead of
+            # asking them to fetch again forever
+            size = max(self.train.stage_state_bytes)
+            wait_s = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * max(  # type: ignore[attr-defined]
+                self.ack_deadline_s(j, size) for j in held))
+            self.lead.phase = Phase.ADMIT
+            self.lead.admitting = set(held)
+            self.lead.admit_until_s = now + wait_s
+            return out + [record("admit_hold", iteration=t, joiners=tuple(held), wait_s=round(wait_s, 3))]
+        return out + self._begin(t, now)
+
+    def _begin(self, t: int, now: float) -> list[Effect]:
+        """Iteration `t` starts: every member hears IterStart."""
+        self.lead.phase = Phase.RUN
+        out = self._broadcast(IterStart(term=self.term, iteration=t, leader=self.me.id), include_self=True)
         every = self.policy.rebalance_every
         return out + (self.rebalance(now) if every > 0 and t % every == 0 else [])
 
@@ -105,23 +158,23 @@ class LeaderMixin(CoreState):
         return []
 
     def _pause(self, now: float) -> list[Effect]:
-        if self.L_phase != "paused":
-            self.L_phase = "paused"
-            self.L_lost_from = self.L_t
-            self.L_stalled_log_s = now
+        if self.lead.phase != Phase.PAUSED:
+            self.lead.phase = Phase.PAUSED
+            self.lead.lost_from = self.lead.t
+            self.lead.stalled_log_s = now
             empty = [k for k, m in enumerate(self._stage_members()) if not m]
-            out: list[Effect] = [record("stage_lost", stages=tuple(empty), iteration=self.L_t),
+            out: list[Effect] = [record("stage_lost", stages=tuple(empty), iteration=self.lead.t),
                                  log("warning", "stalled", reason=f"stage {empty[0]} has no node")]
             out += self._reassign_joiners(empty)
             # joiners that were ready but waiting for the next iteration are members now (a
             # paused swarm activates every Ready joiner; the rollback reloads their state)
             horizon = now - self.cfg.evict_after_s
-            for j in sorted(self.L_waiting_joiners):
-                info = self.L_ready.get(j)
+            for j in sorted(self.lead.waiting):
+                info = self.lead.ready.get(j)
                 heard = self.last_hb.get(j)  # type: ignore[attr-defined]
-                if info is not None and heard is not None and heard >= horizon and self.L_phase == "paused" \
+                if info is not None and heard is not None and heard >= horizon and self.lead.phase == Phase.PAUSED \
                         and j not in self.directory:
-                    self.L_waiting_joiners.discard(j)
+                    self.lead.waiting.discard(j)
                     self.pending_joiners.discard(j)  # type: ignore[attr-defined]
                     out += self._activate(j, info, now)
             return out
@@ -139,37 +192,37 @@ class LeaderMixin(CoreState):
             if stage == 0 or stage in pending.values() or not spare:
                 continue
             j = spare.pop(0)
-            self.L_waiting_joiners.discard(j)
-            self.L_reassigned.add(j)  # its Ready for the old stage, if in flight, is void
+            self.lead.waiting.discard(j)
+            self.lead.reassigned.add(j)  # its Ready for the old stage, if in flight, is void
             out += [record("joiner_reassigned", node=j, stage=stage),
-                    self.send(j, Refetch(term=self.term, iteration=self.L_t, stage=stage))]
+                    self.send(j, Refetch(term=self.term, iteration=self.lead.t, stage=stage))]
         return out
 
     def on_report(self, sender: NodeId, msg: Report, now: float) -> list[Effect]:
         if not self.is_leader or sender not in self.directory:
             return []
-        if self.L_phase == "recover":
-            self.L_reports[sender] = msg
+        if self.lead.phase == Phase.RECOVER:
+            self.lead.reports[sender] = msg
             return self._recover_check(now)
-        if msg.iteration != self.L_t or self.L_phase in ("paused", "finished"):
+        if msg.iteration != self.lead.t or self.lead.phase in (Phase.PAUSED, Phase.FINISHED):
             return []
-        self.L_reports[sender] = msg
+        self.lead.reports[sender] = msg
         if msg.dh_done and self.directory[sender].stage == 0:
-            self.L_expected[sender] = msg.dh_completed
+            self.lead.expected[sender] = msg.dh_completed
         return self._check(now)
 
     def _recover_check(self, now: float) -> list[Effect]:
-        if not set(self.directory) <= set(self.L_reports):
+        if not set(self.directory) <= set(self.lead.reports):
             return []
-        reports = self.L_reports
+        reports = self.lead.reports
         top = max(r.version for r in reports.values())
         out: list[Effect] = []
         for pid, r in sorted(reports.items()):
             if r.version < top:  # the old leader died while sending Step: finish it
                 out.append(self.send(pid, Step(term=self.term, iteration=r.version, round=r.have_round)))
-        self.L_t = top
-        self.L_phase = "run"
-        self.L_reports, self.L_expected, self.L_pending = {}, {}, {}
+        self.lead.t = top
+        self.lead.phase = Phase.RUN
+        self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
         out += self._broadcast(IterStart(term=self.term, iteration=top, leader=self.me.id), include_self=True)
         for pid, r in sorted(reports.items()):
             if r.version == top and r.iteration == top:
@@ -177,39 +230,39 @@ class LeaderMixin(CoreState):
         return out
 
     def _check(self, now: float) -> list[Effect]:
-        if self.L_phase == "run":
+        if self.lead.phase == Phase.RUN:
             dhs = self.data_holders()  # type: ignore[attr-defined]
-            if len(self.L_expected) < len(dhs) or not dhs <= self.L_expected.keys():
+            if len(self.lead.expected) < len(dhs) or not dhs <= self.lead.expected.keys():
                 return []
-            self.L_phase = "collect"
-            out: list[Effect] = [record("collect", iteration=self.L_t)]
-            out += [self.send(p, Collect(term=self.term, iteration=self.L_t, leader=self.me.id))
+            self.lead.phase = Phase.COLLECT
+            out: list[Effect] = [record("collect", iteration=self.lead.t)]
+            out += [self.send(p, Collect(term=self.term, iteration=self.lead.t, leader=self.me.id))
                     for p in sorted(self.directory) if p not in dhs]
             return out + self._check(now)
-        if self.L_phase == "collect":
+        if self.lead.phase == Phase.COLLECT:
             return self._plan(now)
-        if self.L_phase == "commit" and self.L_commit_set <= self.L_haves:
+        if self.lead.phase == Phase.COMMIT and self.lead.commit_set <= self.lead.haves:
             return self._step(now)
         return []
 
     def _plan(self, now: float) -> list[Effect]:
         # (the length test first: this runs on every Report, O(1) until the last ones arrive)
-        if len(self.L_reports) < len(self.directory) or not self.directory.keys() <= self.L_reports.keys():
+        if len(self.lead.reports) < len(self.directory) or not self.directory.keys() <= self.lead.reports.keys():
             return []
-        contrib = {p: (r.stage, frozenset(r.contributed)) for p, r in self.L_reports.items() if p in self.directory}
-        plan = plan_redo(self.S, self.L_expected, contrib)
+        contrib = {p: (r.stage, frozenset(r.contributed)) for p, r in self.lead.reports.items() if p in self.directory}
+        plan = plan_redo(self.S, self.lead.expected, contrib)
         out: list[Effect] = []
         for victim in plan.resets:
-            self.L_reports.pop(victim, None)
-            out.append(self.send(victim, Reset(term=self.term, iteration=self.L_t)))
+            self.lead.reports.pop(victim, None)
+            out.append(self.send(victim, Reset(term=self.term, iteration=self.lead.t)))
         if plan.resets:
-            return out + [record("agg_reset", iteration=self.L_t, nodes=plan.resets)]
+            return out + [record("agg_reset", iteration=self.lead.t, nodes=plan.resets)]
         for ch in plan.chains:
-            deadline = self.L_pending.get(ch.mb)
+            deadline = self.lead.pending.get(ch.mb)
             if deadline is not None and deadline > now:
                 continue
-            self.L_pending[ch.mb] = now + CHAIN_DEADLINE_FACTOR * self.ack_deadline_s(ch.start_node, 0)
-            mb = (ch.mb[0], self.L_t, ch.mb[1])
+            self.lead.pending[ch.mb] = now + CHAIN_DEADLINE_FACTOR * self.ack_deadline_s(ch.start_node, 0)
+            mb = (ch.mb[0], self.lead.t, ch.mb[1])
             out.append(record("redo", node=self.me.id, mb=mb, start=ch.start, until=ch.until, mode="aggregation"))
             out.append(self.send(ch.start_node, Redo(mb=mb, path=ch.path, legs=(), start=ch.start, until=ch.until,
                                                      holder=ch.holder, agg=True)))
@@ -218,21 +271,21 @@ class LeaderMixin(CoreState):
         return out + self._commit(contrib, now)
 
     def _commit(self, contrib: dict[NodeId, tuple[int, frozenset[Contrib]]], now: float) -> list[Effect]:
-        self.L_round += 1
-        self.L_phase = "commit"
-        self.L_haves = set()
-        self.L_commit_set = set(self.directory)
+        self.lead.round += 1
+        self.lead.phase = Phase.COMMIT
+        self.lead.haves = set()
+        self.lead.commit_set = set(self.directory)
         out: list[Effect] = []
-        self.L_commits = {}
-        self.L_contributors = set()
+        self.lead.commits = {}
+        self.lead.contributors = set()
         for stage, members in enumerate(self._stage_members()):
             contributors = tuple((p, len(contrib[p][1])) for p in members if contrib[p][1])
-            self.L_contributors.update(p for p, _ in contributors)
+            self.lead.contributors.update(p for p, _ in contributors)
             mbs = {p: tuple(sorted(contrib[p][1])) for p, _ in contributors}
-            out.append(record("decision", iteration=self.L_t, round=self.L_round, stage=stage,
-                              contributions=mbs, expected=tuple(sorted(self.L_expected.items()))))
-            msg = Commit(term=self.term, iteration=self.L_t, round=self.L_round, contributors=contributors, replicas=tuple(members))
-            self.L_commits[stage] = msg
+            out.append(record("decision", iteration=self.lead.t, round=self.lead.round, stage=stage,
+                              contributions=mbs, expected=tuple(sorted(self.lead.expected.items()))))
+            msg = Commit(term=self.term, iteration=self.lead.t, round=self.lead.round, contributors=contributors, replicas=tuple(members))
+            self.lead.commits[stage] = msg
             out += [self.send(p, msg) for p in members]
         return out
 
@@ -240,27 +293,27 @@ class LeaderMixin(CoreState):
         """A death during commit forces a new round only if it was the stage's reducer, a
         contributor whose gradient the reducer may not hold yet (its Have not received), or a
         broadcast-tree parent with a child that has not said Have (it may never get the gradient)."""
-        c = self.L_commits.get(stage)
+        c = self.lead.commits.get(stage)
         if c is None:
             return False
         d = digest(c)
         if pid == d.reducer:
             return True
-        if pid in self.L_contributors and d.reducer not in self.L_haves:
+        if pid in self.lead.contributors and d.reducer not in self.lead.haves:
             return True
-        return pid in d.pos and not set(tree_children(d, pid, self.cfg.reduce_fanout)) <= self.L_haves
+        return pid in d.pos and not set(tree_children(d, pid, self.cfg.reduce_fanout)) <= self.lead.haves
 
     def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
-        if not self.is_leader or self.L_phase != "commit" or msg.round != self.L_round:
+        if not self.is_leader or self.lead.phase != Phase.COMMIT or msg.round != self.lead.round:
             return []
-        self.L_haves.add(sender)
+        self.lead.haves.add(sender)
         return self._check(now)
 
     def _step(self, now: float) -> list[Effect]:
-        t = self.L_t
-        out: list[Effect] = [record("iteration_done", iteration=t, round=self.L_round,
-                                    expected=sum(len(v) for v in self.L_expected.values()))]
-        out += [self.send(p, Step(term=self.term, iteration=t, round=self.L_round)) for p in sorted(self.L_commit_set)]
+        t = self.lead.t
+        out: list[Effect] = [record("iteration_done", iteration=t, round=self.lead.round,
+                                    expected=sum(len(v) for v in self.lead.expected.values()))]
+        out += [self.send(p, Step(term=self.term, iteration=t, round=self.lead.round)) for p in sorted(self.lead.commit_set)]
         if (t + 1) % self.cfg.checkpoint_every == 0:
             out.append(record("checkpoint", version=t + 1))
         return out + self.start_iteration(t + 1, now)
@@ -270,50 +323,59 @@ class LeaderMixin(CoreState):
     def on_member_dead(self, pid: NodeId, stage: int, now: float) -> list[Effect]:
         if not self.is_leader:
             return []
-        self.L_reports.pop(pid, None)
-        self.L_haves.discard(pid)
-        self.L_commit_set.discard(pid)
+        self.lead.reports.pop(pid, None)
+        self.lead.haves.discard(pid)
+        self.lead.commit_set.discard(pid)
         out: list[Effect] = []
-        if stage == 0 and self.L_phase in ("run", "collect", "commit", "recover"):
-            dropped = self.L_expected.pop(pid, None)
-            out.append(record("dh_lost", node=pid, iteration=self.L_t,
+        if stage == 0 and self.lead.phase in (Phase.RUN, Phase.COLLECT, Phase.COMMIT, Phase.RECOVER):
+            dropped = self.lead.expected.pop(pid, None)
+            out.append(record("dh_lost", node=pid, iteration=self.lead.t,
                               started=len(dropped) if dropped is not None else NONE))
-        self.L_pending.clear()
-        if self.L_phase in ("paused", "finished"):
+        self.lead.pending.clear()
+        if self.lead.phase in (Phase.PAUSED, Phase.FINISHED):
             return out
         if any(not m for m in self._stage_members()):
             return out + self._pause(now)
-        if self.L_phase == "commit" and self._commit_broken(pid, stage):
-            self.L_phase = "collect"  # agree again (new round, new reducer)
-        if self.L_phase == "recover":
+        if self.lead.phase == Phase.COMMIT and self._commit_broken(pid, stage):
+            self.lead.phase = Phase.COLLECT  # agree again (new round, new reducer)
+        if self.lead.phase == Phase.RECOVER:
             return out + self._recover_check(now)
         return out + self._check(now)
 
     def leader_tick(self, now: float) -> list[Effect]:
-        if self.L_phase == "collect" and any(d <= now for d in self.L_pending.values()):
+        if self.lead.phase == Phase.COLLECT and any(d <= now for d in self.lead.pending.values()):
             return self._plan(now)
-        if self.L_phase == "paused" and now - getattr(self, "L_stalled_log_s", now) >= STALLED_LOG_PERIOD_S:
-            self.L_stalled_log_s = now
+        if self.lead.phase == Phase.ADMIT and now >= self.lead.admit_until_s:
+            out: list[Effect] = [record("admit_timeout", iteration=self.lead.t, joiners=tuple(sorted(self.lead.admitting)))]
+            self.lead.admitting.clear()
+            return out + self._begin(self.lead.t, now)
+        if self.lead.phase == Phase.PAUSED and now - self.lead.stalled_log_s >= STALLED_LOG_PERIOD_S:
+            self.lead.stalled_log_s = now
             empty = [k for k, m in enumerate(self._stage_members()) if not m]
             if empty:
                 return [log("warning", "stalled", reason=f"stage {empty[0]} has no node")]
         return []
 
     def on_ready(self, sender: NodeId, msg: Ready, now: float) -> list[Effect]:
-        if not self.is_leader or sender in self.L_reassigned:
+        if not self.is_leader or sender in self.lead.reassigned:
             return []
         self.pending_joiners.discard(sender)  # type: ignore[attr-defined]
         self.last_hb[sender] = now  # type: ignore[attr-defined]
-        if self.L_phase == "paused" or (self.L_phase == "run" and msg.version == self.L_t):
+        if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):
             return self._activate(sender, from_tuple(msg.peer), now)
+        if self.lead.phase == Phase.ADMIT and msg.version == self.lead.t:
+            self.lead.admitting.discard(sender)
+            self.lead.refetches.pop(sender, None)
+            out = self._activate(sender, from_tuple(msg.peer), now)
+            return out + (self._begin(self.lead.t, now) if not self.lead.admitting else [])
         self.pending_joiners.add(sender)  # type: ignore[attr-defined]
-        self.L_waiting_joiners.add(sender)
-        self.L_ready[sender] = from_tuple(msg.peer)
+        self.lead.waiting.add(sender)
+        self.lead.ready[sender] = from_tuple(msg.peer)
         return []
 
     def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Effect]:
         self._dir_set(info)  # type: ignore[attr-defined]
-        out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.L_t)]
+        out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.lead.t)]
         out += self._broadcast(MemberUp(term=self.term, peer=to_tuple(info)), include_self=False)
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
@@ -321,14 +383,14 @@ class LeaderMixin(CoreState):
         out += [self.send(pid, MemberUp(term=self.term, peer=to_tuple(self.directory[q])))
                 for q in sorted(self.directory) if q not in listed and q not in (pid, self.me.id)]
         out += self._peer_up(info, now)  # type: ignore[attr-defined]
-        if self.L_phase == "paused" and all(self._stage_members()):
+        if self.lead.phase == Phase.PAUSED and all(self._stage_members()):
             out += self._resume(now)
         return out
 
     def _resume(self, now: float) -> list[Effect]:
-        ckpt = self.L_lost_from - self.L_lost_from % self.cfg.checkpoint_every
-        out: list[Effect] = [record("rollback", lost_from=self.L_lost_from, version=ckpt,
-                                    lost_iterations=self.L_lost_from - ckpt)]
-        out += self._broadcast(Rollback(term=self.term, version=ckpt, lost_from=self.L_lost_from), include_self=True)
-        self.L_phase = "run"
+        ckpt = self.lead.lost_from - self.lead.lost_from % self.cfg.checkpoint_every
+        out: list[Effect] = [record("rollback", lost_from=self.lead.lost_from, version=ckpt,
+                                    lost_iterations=self.lead.lost_from - ckpt)]
+        out += self._broadcast(Rollback(term=self.term, version=ckpt, lost_from=self.lead.lost_from), include_self=True)
+        self.lead.phase = Phase.RUN
         return out + self.start_iteration(ckpt, now)

@@ -211,7 +211,7 @@ class MembershipMixin(CoreState):
                     self.last_hb.pop(pid, None)
                     self.pending_joiners.discard(pid)
                     self.pending_stage.pop(pid, None)
-                    getattr(self, "L_waiting_joiners", set()).discard(pid)  # a silent joiner is gone
+                    self._forget_waiting(pid)  # a silent joiner is gone
             return out
         if not self.active:
             return out + self._joiner_tick(now)
@@ -312,6 +312,12 @@ class MembershipMixin(CoreState):
         if msg.term > self.term or (msg.term == self.term and not self.leader and msg.leader):
             return self._follow(msg.term, msg.leader, now)
         return []
+
+    def _forget_waiting(self, pid: NodeId, reassigned: bool = False) -> None:
+        """The leader's record of a joiner waiting (or sent to join again) is void."""
+        lead = getattr(self, "lead", None)
+        if lead is not None:
+            (lead.reassigned if reassigned else lead.waiting).discard(pid)
 
     def vote_failed_to(self, peer: NodeId) -> None:
         self.vote_failed.add(peer)
@@ -523,7 +529,7 @@ class MembershipMixin(CoreState):
         if not self.is_leader:
             return [self.send(self.leader, msg)] if self.leader else []
         joiner = msg.peer[0]
-        getattr(self, "L_reassigned", set()).discard(joiner)
+        self._forget_waiting(joiner, reassigned=True)
         self.pending_joiners.add(joiner)
         self.last_hb[joiner] = now
         self.pending_stage.pop(joiner, None)  # a retry: assign afresh

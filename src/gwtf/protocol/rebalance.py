@@ -61,7 +61,7 @@ class RebalanceMixin(CoreState):
         """Leader: a period has passed and no join (or previous move) is under way."""
         if period_s <= 0 or now - self.last_rebalance_s < period_s:
             return False
-        if getattr(self, "pending_joiners", None) or getattr(self, "L_waiting_joiners", None):
+        if getattr(self, "pending_joiners", None) or getattr(getattr(self, "lead", None), "waiting", None):
             return False
         self.last_rebalance_s = now
         return True
@@ -247,7 +247,7 @@ class GwtfCore(RebalanceMixin, NodeCore):
         inp = MoveInputs(members=members, stage_flops=self.train.stage_flops, demand=demand,
                          transfer_s=transfer, download_s=self._download_estimates(members),
                          iteration_s=self.iteration_s, min_gain=self.cfg.rebalance_min_gain,
-                         remaining_iterations=max(self.train.iterations - self.L_t, 0) if self.train.iterations
+                         remaining_iterations=max(self.train.iterations - self.lead.t, 0) if self.train.iterations
                          else max(int(self.cfg.rebalance_period_s / max(self.iteration_s, 1e-9)), 1))
         move = plan_gwtf_move(inp)
         if move is None:

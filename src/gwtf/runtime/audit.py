@@ -8,6 +8,10 @@ microbatch it was credited with; and every replica that stepped (`stepped`, writ
 driver with the new weights' hash) must hold the same weights. Expected microbatches exclude
 those of a crashed data holder (dropped and counted by the leader's `dh_lost` record).
 
+It also replays every node's records, in wall-clock order, through the simulator's own
+`InvariantChecker` (`replay_invariants`): the same checks of exactly-once decisions, identical
+steps per (stage, version) and one leader per term hold for real processes as for simulated ones.
+
 `gwtf swarm` runs it at the end of a run; the integration tests assert it. Reads plain dicts (the
 rows of `DIR/nodes/*/records.jsonl`). Must not import torch or asyncio.
 """
@@ -18,7 +22,23 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gwtf.sim.invariants import InvariantChecker
+
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
+_DRIVER_FIELDS = frozenset({"event", "t_s", "unix_s", "me"})  # what the node driver adds to a core Record
+
+
+def replay_invariants(records: Records, stages: int) -> list[str]:
+    """The simulator's invariant checker over the nodes' records, merged by wall clock (one
+    machine's clock on loopback; across hosts, skew only reorders records of different nodes
+    that are causally far apart). Liveness is the launcher's to judge (finished or timed out)."""
+    rows = sorted((float(r.get("unix_s", 0.0)), i, name, r)
+                  for name, rs in records.items() for i, r in enumerate(rs) if "event" in r)
+    checker = InvariantChecker(stages, progress_bound_s=float("inf"))
+    for t, _, name, r in rows:
+        fields = {k: v for k, v in r.items() if k not in _DRIVER_FIELDS}
+        checker.on_record(t, str(r.get("me") or name), str(r["event"]), fields)
+    return list(checker.violations)
 
 
 def final_decisions(records: Records) -> dict[tuple[int, int], Mapping[str, Any]]:
@@ -97,4 +117,5 @@ def audit_ledger(
             elif len(set(step_hashes.values())) != 1:
                 problems.append(f"iteration {it} stage {stage}: replicas diverged {dict(step_hashes)}")
             totals["expected"] += len(expected)
+    problems += [f"invariant: {v}" for v in replay_invariants(records, stages)]
     return problems, totals
