@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 MIN_CHUNK_BYTES = 4096
 CHUNK_OVERHEAD_BYTES = 4096  # a chunk frame's prefix + header stay below this
 WINDOW_CHUNKS = 2  # chunks a sender has written but the receiver not yet acknowledged
-DONE_MEMORY = 64  # completed transfers remembered (a resumed Begin of one is answered "done")
+DONE_MEMORY = 64  # finished transfers remembered: a resumed Begin of a delivered one is answered
+# "done", and the chunks still in flight behind a refused one are dropped silently
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ class _Partial:
     have: int = 0
 
 
-@dataclass(slots=True)
+@dataclass
 class Reassembler:
     """The receiving end of chunked transfers, per authenticated peer (see the module docstring).
 
@@ -141,7 +142,7 @@ class Reassembler:
     max_pending: int = 4
     keep_s: float = 60.0
     _partials: dict[tuple[NodeId, int], _Partial] = field(default_factory=dict)
-    _done: OrderedDict[tuple[NodeId, int], int] = field(default_factory=OrderedDict)
+    _done: OrderedDict[tuple[NodeId, int], int] = field(default_factory=OrderedDict)  # -> bytes, -1 refused
 
     @property
     def pending_bytes(self) -> int:
@@ -154,7 +155,9 @@ class Reassembler:
     def begin(self, peer: NodeId, conn: Hashable, msg: ChunkBegin, now: float) -> ChunkAck:
         key = (peer, msg.xfer)
         if key in self._done:
-            return ChunkAck(xfer=msg.xfer, have=self._done[key], done=True)
+            have = self._done[key]
+            return ChunkAck(xfer=msg.xfer, have=have, done=True) if have >= 0 else \
+                ChunkAck(xfer=msg.xfer, have=0, error="transfer refused earlier")
         part = self._partials.get(key)
         if part is not None:
             if part.begin != msg:
@@ -178,13 +181,12 @@ class Reassembler:
         part = self._partials.get(key)
         if part is None:
             if key in self._done:
-                return None, None  # a duplicate from a connection that was replaced
+                return None, None  # in flight behind a refusal, or from a connection that was replaced
             return self._refuse(peer, msg.xfer, "chunk of an unknown transfer"), None
         if part.conn != conn:
             return None, None  # stale: the transfer was resumed on another connection
         reason = self._check_chunk(part, msg, tensors)
         if reason is not None:
-            del self._partials[key]
             return self._refuse(peer, msg.xfer, reason), None
         data = tensors[0]
         part.body[msg.offset:msg.offset + len(data)] = data
@@ -193,9 +195,7 @@ class Reassembler:
         if part.have < part.begin.body_len:
             return ChunkAck(xfer=msg.xfer, have=part.have), None
         del self._partials[key]
-        self._done[key] = part.have
-        while len(self._done) > DONE_MEMORY:
-            self._done.popitem(last=False)
+        self._finish(key, part.have)
         return ChunkAck(xfer=msg.xfer, have=part.have, done=True), Frame(part.msg, body_tensors(part.body, part.layout))
 
     def expire(self, now: float) -> list[tuple[NodeId, int]]:
@@ -231,7 +231,13 @@ class Reassembler:
     def _refuse(self, peer: NodeId, xfer: int, reason: str) -> ChunkAck:
         log.warning("refused transfer %x from node %s: %s", xfer, peer, reason)
         part = self._partials.pop((peer, xfer), None)
+        self._finish((peer, xfer), -1)
         return ChunkAck(xfer=xfer, have=part.have if part else 0, error=reason[:200])
+
+    def _finish(self, key: tuple[NodeId, int], have: int) -> None:
+        self._done[key] = have
+        while len(self._done) > DONE_MEMORY:
+            self._done.popitem(last=False)
 
 
 def iter_chunks(body_len: int, chunk_bytes: int, start: int = 0) -> Iterator[tuple[int, int]]:

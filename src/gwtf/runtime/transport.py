@@ -481,6 +481,8 @@ class Transport:
         out = self._sending.get(msg.xfer)
         if out is None or out.conn is not conn:
             return  # a late ack of a finished transfer, or from a replaced connection
+        if out.error:
+            return  # the first refusal is the reason
         if msg.error:
             out.error = msg.error
         elif not max(out.acked, 0) <= msg.have <= out.begin.body_len or (msg.done and msg.have != out.begin.body_len):
