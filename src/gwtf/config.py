@@ -109,6 +109,9 @@ class RuntimeConfig:
     wan: str = ""  # "" = no WAN emulation; else a network name (e.g. "geo10") whose delays are emulated
     fault: str = ""  # fault injection for chaos tests, e.g. "kill:forward:iter=2:mb=1" (docs/runtime.md)
     start_members: int = 0  # leader: hold iteration 0 until this many nodes are members (0 = a replica per stage)
+    chunk_bytes: int = 32 * 2**20  # a larger message body travels in chunks of this size, at most max_frame_bytes/2
+    max_transfer_bytes: int = 64 * 2**30  # receiver: cap on one chunked message's declared body
+    transfer_retries: int = 3  # sender: reconnects (resuming) after a chunked transfer's connection is lost
 
     def __post_init__(self) -> None:
         _require(self.max_frame_bytes >= 2**16, "runtime.max_frame_bytes", "must be >= 65536")
@@ -117,6 +120,9 @@ class RuntimeConfig:
         _require(self.ready_timeout_s > 0, "runtime.ready_timeout_s", "must be > 0")
         _require(self.connect_timeout_s > 0, "runtime.connect_timeout_s", "must be > 0")
         _require(self.request_timeout_s > 0, "runtime.request_timeout_s", "must be > 0")
+        _require(self.chunk_bytes >= 4096, "runtime.chunk_bytes", "must be >= 4096")
+        _require(self.max_transfer_bytes >= self.chunk_bytes, "runtime.max_transfer_bytes", "must be >= runtime.chunk_bytes")
+        _require(self.transfer_retries >= 0, "runtime.transfer_retries", "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -231,8 +231,9 @@ def test_send_timeout_when_peer_never_reads() -> None:
         for conn in list(server._conns_all):  # test-only: make the server stop reading
             assert conn._transport is not None
             conn._transport.pause_reading()
+        one_frame = np.zeros(FAST.chunk_bytes // 2, np.uint8)  # one frame, more than the socket buffers hold
         with pytest.raises(SendFailed, match="timeout"):
-            await client.send(server.address, Act(mb=1), [np.zeros(64 << 20, np.uint8)], timeout_s=0.3)
+            await client.send(server.address, Act(mb=1), [one_frame], timeout_s=0.3)
         await server.close()
         await client.close()
 

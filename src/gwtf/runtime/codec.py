@@ -39,9 +39,13 @@ __all__ = [
     "VERSION",
     "WireError",
     "as_bfloat16",
+    "body_tensors",
     "check_finite",
+    "decode_header",
     "encode",
     "encode_bytes",
+    "encode_parts",
+    "frame_buffers",
     "require_finite",
     "wire_dtype_name",
 ]
@@ -317,6 +321,25 @@ def _tensor_views(tensors: Sequence[np.ndarray], limits: Limits) -> tuple[list[d
     return descs, views
 
 
+def encode_parts(
+    msg: Message, tensors: Sequence[np.ndarray] = (), limits: Limits = Limits()
+) -> tuple[bytes, list[bytes | memoryview], int]:
+    """The msgpack header, the body buffers (tensors and padding) and the body length of a frame.
+
+    The same checks as `encode` except the frame size: a chunked transfer (`runtime.chunks`)
+    sends a header whose body travels in several frames.
+    """
+    cls = type(msg)
+    if not getattr(cls, "TYPE", ""):
+        raise WireError(f"{cls.__name__} has no TYPE")
+    fields = field_spec(cls).encode(msg)
+    descs, views = _tensor_views(tensors, limits)
+    header = msgpack.packb({"t": cls.TYPE, "f": fields, "x": descs}, use_bin_type=True)
+    if len(header) > limits.max_header_bytes:
+        raise WireError("header too large")
+    return header, views, sum(len(v) for v in views)
+
+
 def encode(
     msg: Message, tensors: Sequence[np.ndarray] = (), limits: Limits = Limits()
 ) -> list[bytes | memoryview]:
@@ -326,15 +349,13 @@ def encode(
     unchanged until the buffers are written. Raises WireError if the message's fields do not
     match its annotations, a dtype is not allowed, or a limit is exceeded.
     """
-    cls = type(msg)
-    if not getattr(cls, "TYPE", ""):
-        raise WireError(f"{cls.__name__} has no TYPE")
-    fields = field_spec(cls).encode(msg)
-    descs, views = _tensor_views(tensors, limits)
-    header = msgpack.packb({"t": cls.TYPE, "f": fields, "x": descs}, use_bin_type=True)
-    body_len = sum(len(v) for v in views)
-    if len(header) > limits.max_header_bytes:
-        raise WireError("header too large")
+    return frame_buffers(*encode_parts(msg, tensors, limits), limits)
+
+
+def frame_buffers(
+    header: bytes, views: list[bytes | memoryview], body_len: int, limits: Limits = Limits()
+) -> list[bytes | memoryview]:
+    """One frame's buffers from `encode_parts`' result; WireError("frame too large") past the limit."""
     if PREFIX.size + len(header) + body_len > limits.max_frame_bytes:
         raise WireError("frame too large")
     prefix = PREFIX.pack(MAGIC, VERSION, 0, len(header), body_len)
@@ -409,6 +430,36 @@ def _build_message(header: Mapping[str, Any], registry: Mapping[str, type[Messag
     return msg
 
 
+Layout = list[tuple[np.dtype[Any], tuple[int, ...], int, int]]
+"""(dtype, shape, offset in the body, nbytes) of each tensor of a frame."""
+
+
+def decode_header(
+    raw: bytes | memoryview, body_len: int, registry: Mapping[str, type[Message]], limits: Limits
+) -> tuple[Message, Layout]:
+    """Validate a header (as `encode_parts` made it) against `body_len`: the message and its layout.
+
+    The checks of a frame's header; `limits.max_frame_bytes` caps each tensor (a chunked
+    transfer passes its own cap). Raises WireError.
+    """
+    if len(raw) > limits.max_header_bytes:
+        raise WireError("header too large")
+    header = _unpack_header(raw)
+    layout = _check_descs(header.get("x", []), limits)
+    end = layout[-1][2] + layout[-1][3] if layout else 0
+    if end != body_len:
+        raise WireError("tensor shape/nbytes mismatch")
+    return _build_message(header, registry), layout
+
+
+def body_tensors(body: np.ndarray, layout: Layout) -> list[np.ndarray]:
+    """The tensors of a frame: views of its uint8 `body` as described by `layout`."""
+    return [
+        np.frombuffer(body, dtype, count=nbytes // dtype.itemsize, offset=off).reshape(shape)
+        for dtype, shape, off, nbytes in layout
+    ]
+
+
 class Decoder:
     """Incremental frame decoder (h11 style): push bytes in any chunking, pull whole frames.
 
@@ -438,7 +489,7 @@ class Decoder:
         self._header_len = -1  # >= 0 once the prefix is parsed
         self._body_len = 0
         self._msg: Message | None = None  # set once the header is parsed
-        self._layout: list[tuple[np.dtype[Any], tuple[int, ...], int, int]] = []
+        self._layout: Layout = []
         self._body: np.ndarray | None = None
         self._filled = 0
         self._failed: WireError | None = None
@@ -571,10 +622,7 @@ class Decoder:
         if self._filled < self._body_len:
             return None
         body, msg = self._body, self._msg
-        tensors = [
-            np.frombuffer(body, dtype, count=nbytes // dtype.itemsize, offset=off).reshape(shape)
-            for dtype, shape, off, nbytes in self._layout
-        ]
+        tensors = body_tensors(body, self._layout)
         self._header_len, self._msg, self._body, self._layout = -1, None, None, []
         return Frame(msg, tensors)
 

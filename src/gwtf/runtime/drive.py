@@ -39,8 +39,9 @@ from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
-from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
+from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record, StateTransfer
 from gwtf.protocol.router import PeerInfo
+from gwtf.runtime import statefile
 from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 
 if TYPE_CHECKING:
@@ -170,6 +171,9 @@ class Host:
             self.worker = self._make_worker(self.core.me.stage)
         if isinstance(msg, GradShare):
             self.grad_counts[key] = msg.count
+        if isinstance(msg, StateTransfer):  # serialized state stays on the CPU, uncopied, until imported
+            self.worker.store[key] = torch.from_numpy(tensors[0])
+            return
         self.worker.put(key, tensors[0])
 
     def other_effect(self, eff: Any, now: float) -> list[Any]:
@@ -216,11 +220,11 @@ class Host:
             self.grad_counts[outs[0]] = eff.count
         elif kind == "step":
             out.records.append(("stepped", self._step(w, eff)))
-        elif kind == "export_state":
-            w.store[outs[0]] = torch.from_numpy(w.state_blob().copy())
+        elif kind == "export_state":  # one buffer, on the CPU: the transport streams it in chunks
+            w.store[outs[0]] = torch.from_numpy(statefile.export_state(w))
             out.records.append(("state_exported", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
         elif kind == "import_state":
-            w.load_state_blob(tensor_to_numpy(w.store[ins[0]]))
+            statefile.import_state(w, tensor_to_numpy(w.store[ins[0]]))
             out.records.append(("state_imported", {"stage": w.stage, "version": ins[0][2], "hash": w.weights_hash()}))
         elif kind == "load_checkpoint":
             self._load_checkpoint(w, outs[0])

@@ -9,7 +9,14 @@ turns into `NodeCore.on_send_failed`. The transport never decides about routing 
 Each connection is an asyncio `BufferedProtocol` feeding the sans-IO `codec.Decoder`, so large
 tensor bodies are received straight into their final numpy buffer (DEPENDENCIES.md section 2).
 Connections are one-way for requests: a node sends on the connections it opened and receives on
-the ones it accepted (simple, and no races between two simultaneous connects).
+the ones it accepted (simple, and no races between two simultaneous connects); the only frames
+going back are the acks of chunked transfers.
+
+A message whose body is larger than `runtime.chunk_bytes` travels as a chunked transfer
+(`runtime.chunks`): the receiver writes the chunks into one preallocated buffer and hands the
+whole message to `on_frame` once every chunk is in; the sender's `send` returns then, resuming
+on a new connection after a loss (`runtime.transfer_retries`) and raising `SendFailed` when out
+of tries, so a transfer never hangs.
 A bad frame or failed handshake closes that one connection with a warning; others keep going.
 """
 
@@ -17,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +34,17 @@ import numpy as np
 from gwtf.config import RuntimeConfig
 from gwtf.protocol.base import MESSAGE_TYPES, Message, NodeId
 from gwtf.runtime import auth
-from gwtf.runtime.codec import Decoder, Limits, WireError, encode
+from gwtf.runtime.chunks import (
+    CHUNK_TYPES,
+    WINDOW_CHUNKS,
+    Chunk,
+    ChunkAck,
+    ChunkBegin,
+    Reassembler,
+    chunk_at,
+    crc_of,
+)
+from gwtf.runtime.codec import Decoder, Limits, WireError, encode, encode_parts, frame_buffers
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +66,29 @@ def parse_addr(addr: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"bad address {addr!r}: expected host:port")
     return host.strip("[]"), int(port)
+
+
+class _Refused(Exception):
+    """The receiver refused a chunked transfer (its ack carried an error)."""
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """A chunked transfer being sent: how far the receiver acknowledged it, on which connection."""
+
+    begin: ChunkBegin
+    conn: _Connection | None = None
+    acked: int = -1  # bytes the receiver holds; -1 until it answered the current ChunkBegin
+    done: bool = False
+    error: str = ""
+    waiter: asyncio.Future[None] | None = None
+
+    def wake(self, exc: BaseException | None = None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            if exc is None:
+                self.waiter.set_result(None)
+            else:
+                _settle(self.waiter, exc)
 
 
 def _settle(fut: asyncio.Future[None], exc: BaseException) -> None:
@@ -103,7 +145,7 @@ class _Connection(asyncio.BufferedProtocol):
             if frame is None:
                 return
             if self.authenticated:
-                self._owner._deliver(self.peer_id, frame.msg, frame.tensors)
+                self._owner._receive(self, frame.msg, frame.tensors)
             else:
                 self._handshake(frame.msg)
 
@@ -163,7 +205,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self.peer_id = self._peer.node_id
-        self._decoder.registry = self._owner.registry
+        self._decoder.registry = self._owner.wire_registry
         self.authenticated = True
         self.ready.set_result(None)
         log.debug("peer %s authenticated as node %s", self.addr, self.peer_id)
@@ -181,6 +223,13 @@ class _Connection(asyncio.BufferedProtocol):
         if not self.authenticated:
             raise ConnectionError("not authenticated")
         self._write(buffers)
+
+    def reply(self, msg: Message) -> None:
+        """Write a small runtime message back on this connection (a chunk ack); dropped if closed."""
+        try:
+            self._write(encode(msg, (), self._owner.limits))
+        except ConnectionError:
+            pass
 
     async def drain(self) -> None:
         """Wait until the write buffer is below its low-water mark (raises if the link died)."""
@@ -224,6 +273,13 @@ class Transport:
         self.cfg = cfg or RuntimeConfig()
         self.limits = Limits(max_frame_bytes=self.cfg.max_frame_bytes)
         self.registry: Mapping[str, type[Message]] = MESSAGE_TYPES if registry is None else registry
+        self.wire_registry: Mapping[str, type[Message]] = {**self.registry, **CHUNK_TYPES}
+        self.chunk_bytes = min(self.cfg.chunk_bytes, self.cfg.max_frame_bytes // 2)
+        keep_s = 2 * self.cfg.request_timeout_s + self.cfg.connect_timeout_s
+        self.reassembler = Reassembler(self.registry, self.cfg.max_frame_bytes, self.cfg.max_transfer_bytes,
+                                       keep_s=keep_s)
+        self._sending: dict[int, _Outgoing] = {}
+        self._expiry: asyncio.TimerHandle | None = None
         self._on_frame = on_frame
         self._server: asyncio.Server | None = None
         self._out: dict[str, _Connection] = {}  # authenticated outbound connections by address
@@ -250,19 +306,30 @@ class Transport:
     async def send(
         self, addr: str, msg: Message, tensors: Sequence[np.ndarray] = (), timeout_s: float | None = None
     ) -> None:
-        """Send one frame to `addr`, connecting (and authenticating) first if needed.
+        """Send one message to `addr`, connecting (and authenticating) first if needed.
 
-        Returns once the frame is handed to the kernel (delivery is the protocol's business).
+        A message whose body fits in one chunk (`chunk_bytes`) is one frame, and `send` returns
+        once it is handed to the kernel (delivery is the protocol's business). A larger one is a
+        chunked transfer (docs/wire.md), and `send` returns once the receiver holds all of it;
+        `timeout_s` then bounds each step without progress, and a lost connection is resumed
+        `cfg.transfer_retries` times.
 
         Raises:
             SendFailed: refused, timed out (`timeout_s`, default cfg.request_timeout_s), or lost.
             WireError: `msg`/`tensors` cannot be encoded (a bug in the caller, not the peer).
         """
-        buffers = encode(msg, tensors, self.limits)
+        header, views, body_len = encode_parts(msg, tensors, self.limits)
         if self._closed:
             raise SendFailed(addr, "transport closed")
+        timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
+        if body_len > self.chunk_bytes:
+            begin = ChunkBegin(xfer=secrets.randbits(62), header=header, body_len=body_len,
+                               chunk_bytes=self.chunk_bytes)
+            await self._send_chunked(addr, begin, views, timeout_s)
+            return
+        buffers = frame_buffers(header, views, body_len, self.limits)
         try:
-            async with asyncio.timeout(timeout_s if timeout_s is not None else self.cfg.request_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 conn = await self._connection(addr)
                 conn.send_frame(buffers)
                 await conn.drain()
@@ -291,6 +358,8 @@ class Transport:
     async def close(self) -> None:
         """Stop listening, cancel connects, close every connection, wait until they are gone."""
         self._closed = True
+        if self._expiry is not None:
+            self._expiry.cancel()
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):
@@ -348,6 +417,111 @@ class Transport:
         for addr, c in list(self._out.items()):
             if c is conn:
                 del self._out[addr]
+        for out in self._sending.values():
+            if out.conn is conn:
+                out.wake(ConnectionError("connection lost"))
+
+    # -- chunked transfers (runtime.chunks) ----------------------------------------------------
+
+    async def _send_chunked(self, addr: str, begin: ChunkBegin, views: list[bytes | memoryview],
+                            timeout_s: float) -> None:
+        """Send one chunked transfer, resuming on a new connection after a loss (bounded)."""
+        out = _Outgoing(begin)
+        self._sending[begin.xfer] = out
+        tries = self.cfg.transfer_retries + 1
+        try:
+            for attempt in range(1, tries + 1):
+                try:
+                    await self._transfer(addr, out, views, timeout_s)
+                    return
+                except _Refused as exc:
+                    raise SendFailed(addr, f"transfer refused by peer: {exc}") from None
+                except (TimeoutError, OSError, ValueError) as exc:
+                    reason = "timeout" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
+                    await self._drop(out.conn)  # a stalled connection is useless: a try starts afresh
+                    if isinstance(exc, ValueError) or self._closed or attempt == tries:
+                        where = f"at byte {max(out.acked, 0)}/{begin.body_len} after {attempt} tries"
+                        raise SendFailed(addr, f"{reason} ({where})") from None
+                    log.info("transfer %x to %s lost at byte %d/%d (%s): resuming, try %d/%d", begin.xfer,
+                             addr, max(out.acked, 0), begin.body_len, reason, attempt + 1, tries)
+                    await asyncio.sleep(min(1.0, 0.1 * 2**attempt))  # back off before reconnecting
+        finally:
+            del self._sending[begin.xfer]
+
+    async def _transfer(self, addr: str, out: _Outgoing, views: list[bytes | memoryview], timeout_s: float) -> None:
+        """One try: (re)begin on a connection, then chunks from where the receiver stands."""
+        begin = out.begin
+        async with asyncio.timeout(timeout_s):
+            conn = await self._connection(addr)
+        out.conn, out.acked, out.done = conn, -1, False
+        conn.send_frame(encode(begin, (), self.limits))
+        await self._progress(out, timeout_s)
+        offset, window = out.acked, WINDOW_CHUNKS * begin.chunk_bytes
+        while not out.done:
+            if offset < begin.body_len and offset - out.acked < window:
+                size = min(begin.chunk_bytes, begin.body_len - offset)
+                data = chunk_at(views, offset, size)
+                conn.send_frame(encode(Chunk(xfer=begin.xfer, offset=offset, crc=crc_of(data)), [data], self.limits))
+                offset += size
+                async with asyncio.timeout(timeout_s):
+                    await conn.drain()
+            else:
+                await self._progress(out, timeout_s)
+
+    async def _progress(self, out: _Outgoing, timeout_s: float) -> None:
+        """Wait (bounded) for the receiver's next ack on the transfer's connection."""
+        if not out.done and not out.error:
+            out.waiter = asyncio.get_running_loop().create_future()
+            async with asyncio.timeout(timeout_s):
+                await out.waiter
+        if out.error:
+            raise _Refused(out.error)
+
+    def _on_ack(self, conn: _Connection, msg: ChunkAck) -> None:
+        out = self._sending.get(msg.xfer)
+        if out is None or out.conn is not conn:
+            return  # a late ack of a finished transfer, or from a replaced connection
+        if out.error:
+            return  # the first refusal is the reason
+        if msg.error:
+            out.error = msg.error
+        elif not max(out.acked, 0) <= msg.have <= out.begin.body_len or (msg.done and msg.have != out.begin.body_len):
+            out.error = f"bad ack: have {msg.have} after {out.acked}"
+        else:
+            out.acked, out.done = msg.have, msg.done
+        out.wake()
+
+    async def _drop(self, conn: _Connection | None) -> None:
+        """Abort `conn` (a stalled transfer's) and wait, bounded, until it is forgotten."""
+        if conn is not None and not conn.closed.done():
+            conn.abort()
+            await asyncio.wait([conn.closed], timeout=self.cfg.connect_timeout_s)
+
+    def _receive(self, conn: _Connection, msg: Message, tensors: list[np.ndarray]) -> None:
+        """An authenticated frame: chunk traffic is handled here, anything else goes to on_frame."""
+        now = asyncio.get_running_loop().time()
+        if isinstance(msg, ChunkBegin):
+            conn.reply(self.reassembler.begin(conn.peer_id, conn, msg, now))
+            self._arm_expiry()
+        elif isinstance(msg, Chunk):
+            ack, frame = self.reassembler.chunk(conn.peer_id, conn, msg, tensors, now)
+            if frame is not None:
+                self._deliver(conn.peer_id, frame.msg, frame.tensors)
+            if ack is not None:
+                conn.reply(ack)
+        elif isinstance(msg, ChunkAck):
+            self._on_ack(conn, msg)
+        else:
+            self._deliver(conn.peer_id, msg, tensors)
+
+    def _arm_expiry(self) -> None:
+        if self._expiry is None and len(self.reassembler) and not self._closed:
+            self._expiry = asyncio.get_running_loop().call_later(self.reassembler.keep_s / 2, self._expire_tick)
+
+    def _expire_tick(self) -> None:
+        self._expiry = None
+        self.reassembler.expire(asyncio.get_running_loop().time())
+        self._arm_expiry()
 
     def _deliver(self, peer_id: NodeId, msg: Message, tensors: list[np.ndarray]) -> None:
         try:
