@@ -10,10 +10,10 @@ tokens, one replica per stage. Failure detection uses the protocol's defaults (h
 evict after 12 s), what a 124m swarm runs with: a 124m step and a 487 MiB copy take seconds on a
 shared 2-core box, and swarm-test.toml's 3 s eviction evicts live relays there.
 
-Not asserted (yet): that the joiner then serves. On this box the transfer + import (~4-7 s) takes
-longer than an iteration (~1.5 s), and the core answers the joiner's Ready by fetching the state
-again (observed: 15 successful imports in 75 s, never activated); activation of a joiner whose
-state is behind is the join protocol's business (issue 13, deliverable 2).
+Then the joiner must serve (contribute a microbatch). On this box the transfer + import (~4-7 s)
+takes longer than an iteration (~1.5 s): before the leader held an iteration start for a joiner
+whose state kept going stale (`admit_hold`), the joiner fetched the state again at every
+iteration (15 imports in 75 s observed) and never served.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ OVERRIDES = ('model.preset="124m"', "model.stages=3", "model.microbatch_size=1",
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_124m_joiner_takes_chunked_state_of_a_live_replica(make_swarm: Callable[..., Swarm]) -> None:
     swarm = make_swarm(OVERRIDES, replicas=1)
     swarm.start()
@@ -47,3 +47,8 @@ def test_124m_joiner_takes_chunked_state_of_a_live_replica(make_swarm: Callable[
     assert any(e["stage"] == imported["stage"] and e["version"] == imported["version"]
                and e["hash"] == imported["hash"] for e in exported), (imported, exported)
     assert "frame too large" not in swarm.log_tails(100_000)
+    deadline = time.monotonic() + 60
+    while not any(r["event"] == "contribute" for r in swarm.metrics.records.get(joiner.name, [])):
+        assert time.monotonic() < deadline, f"joiner never served:\n{swarm.log_tails()}"
+        swarm.step()
+        time.sleep(0.05)  # polling period of a bounded wait
