@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="short node name (default: random); the node id adds region and address")
     parser.add_argument("--wan", metavar="NETWORK", help="shorthand for --set runtime.wan=NETWORK (e.g. geo10)")
     parser.add_argument("--out", metavar="DIR", default="runs/swarm", help="output folder (DIR/nodes/<name>/)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a stopped swarm: the first node (no --join) starts from the newest "
+                             "checkpoint in DIR/checkpoints complete for all stages; others follow it")
     add_config_arguments(parser)
 
 
@@ -79,10 +82,27 @@ def run(args: argparse.Namespace) -> int:
         net = load_network(cfg.runtime.wan)
         if args.region not in net.regions:
             raise UserError(f"--region {args.region!r} is not in network {cfg.runtime.wan} ({', '.join(net.regions)})")
+    _check_out(Path(args.out), name, args.join is None, args.resume, cfg)
     from gwtf.runtime.node import NodeIdentity, run_node  # torch only once we really run
 
     ident = NodeIdentity(
         name=name, role=args.role, stage=stage, region=args.region, shard=shard, listen=args.listen,
-        join=args.join, device=args.device, out_dir=Path(args.out),
+        join=args.join, device=args.device, out_dir=Path(args.out), resume=args.resume,
     )
     return run_node(cfg, ident)
+
+
+def _check_out(out: Path, name: str, bootstrap: bool, resume: bool, cfg: Config) -> None:
+    """Without --resume, a node's folder of an earlier run (or, for the first node, an earlier
+    run's checkpoints) is refused; with it, the first node needs something to resume from."""
+    from gwtf.runtime import checkpoints
+    from gwtf.runtime.status import RECORDS_FILE
+
+    ckpt = out / checkpoints.CHECKPOINTS_DIR
+    if not resume:
+        if (out / "nodes" / name / RECORDS_FILE).exists() or (bootstrap and ckpt.is_dir()):
+            raise UserError(f"{out} holds a previous run (node {name}): pass --resume to continue it, "
+                            "or use another --out")
+        return
+    if bootstrap:
+        checkpoints.resume_version(ckpt, cfg.model.stages, cfg.train.iterations, cfg.protocol.checkpoint_every)

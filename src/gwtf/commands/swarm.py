@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill -9 relays at seeded random moments and start joiners")
     parser.add_argument("--wan", metavar="NETWORK", help="emulate a WAN region table on loopback (e.g. geo10)")
     parser.add_argument("--iterations", type=int, metavar="K", help="shorthand for --set train.iterations=K")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the stopped run in --out from its newest checkpoint complete for all stages")
     parser.add_argument("--timeout-s", type=float, default=0.0, metavar="S",
                         help="give up after S seconds (default: 120 + 30 per iteration)")
     add_config_arguments(parser)
@@ -57,11 +59,18 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
         raise UserError("--replicas must be >= 1")
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
     opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
-                        regions=regions, config_path=args.config, overrides=tuple(overrides))
+                        regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume)
     return cfg, opts
 
 
 def run(args: argparse.Namespace) -> int:
+    from gwtf.runtime.swarm import previous_run
+
+    out = Path(args.out)
+    if previous_run(out) and not args.resume:
+        raise UserError(f"{out} holds a previous run: pass --resume to continue it, or use another --out")
+    if args.resume and not previous_run(out):
+        raise UserError(f"nothing to resume from: {out} holds no previous run")
     cfg, opts = _options(args)
     return run_swarm(cfg, opts)
 
@@ -117,15 +126,17 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
         if not swarm.finished():
             console.print(f"[red]timeout[/]: {len(rows)}/{cfg.train.iterations} iterations in {opts.timeout_s:.0f}s")
             return 1
-    problems, totals = swarm.audit(len(rows))
+    problems, totals = swarm.audit()
     if problems:
         console.print("[red]exactly-once ledger violated[/]:\n" + "\n".join(problems))
         return 1
-    console.print(f"ledger: every microbatch counted exactly once at every stage in {len(rows)} iterations "
+    trained = swarm.metrics.next_iteration - swarm.first
+    console.print(f"ledger: every microbatch counted exactly once at every stage in {trained} iterations "
                   f"({totals.get('expected', 0)} microbatch-stage contributions, {totals.get('dropped', 0)} "
                   "dropped with crashed data holders); replicas identical after every step")
     first, last = rows[0]["loss"], rows[-1]["loss"]
-    print(f"done: {len(rows)} iterations, loss {first:.4f} -> {last:.4f}, crashes {swarm.crashes}, "
+    resumed = f" (resumed at iteration {swarm.first})" if swarm.first else ""
+    print(f"done: {len(rows)} iterations{resumed}, loss {first:.4f} -> {last:.4f}, crashes {swarm.crashes}, "
           f"joins {swarm.joins}; outputs in {opts.out_dir} (metrics.jsonl, loss.png, nodes/)")
     return 0
 

@@ -109,11 +109,14 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
     # `runtime.start_members`); the simulator leaves both at their neutral defaults.
     fixed_stage: int | None = None  # a joiner keeps this stage instead of the bottleneck stage
     start_members: int = 0  # leader of a fresh swarm: hold iteration 0 until this many members
+    start_version: int = 0  # a resumed swarm's first version (its bootstrap node loaded it)
 
     def _resume(self, now: float) -> list[Effect]:
-        # A fresh swarm (nothing trained yet) stays paused until every initial node is a member,
-        # so all of them train from iteration 0 (equivalence with the reference trainer).
-        fresh = self.version == 0 and getattr(getattr(self, "lead", None), "lost_from", 0) <= 0
+        # A fresh or resumed swarm (nothing trained since the start) stays paused until every
+        # initial node is a member, so all of them train from its first iteration (equivalence
+        # with the reference trainer, and with the uninterrupted run).
+        first = self.start_version
+        fresh = self.version == first and getattr(getattr(self, "lead", None), "lost_from", first) <= first
         if fresh and len(self.directory) < self.start_members:
             return []
         return list(super()._resume(now))
@@ -127,7 +130,8 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
 
     def on_start(self, now: float, known_peers: list[PeerInfo] | Roster) -> list[Effect]:
         """Bootstrap: sim passes the initial members (as a shared `Roster` with bounded views); a
-        joiner (stage -1) passes one contact."""
+        joiner (stage -1) passes one contact. A resumed swarm's node starts at `start_version`."""
+        self.version = self.iteration = self.start_version
         out = self.membership_start(now, known_peers)
         out += list(self.router.on_start(now))
         if self.me.stage == 0 and self.leader == self.me.id:

@@ -72,9 +72,10 @@ def dropped_by(row: Mapping[str, Any], microbatches: int) -> int:
 
 def audit_ledger(
     records: Records, iterations: int, stages: int, hashes: Mapping[tuple[int, int], Mapping[str, str]],
-    microbatches: int = 0,
+    microbatches: int = 0, first: int = 0,
 ) -> tuple[list[str], dict[str, int]]:
-    """Check iterations 0..iterations-1. Returns (violations, totals); no violations = exactly once.
+    """Check iterations first..iterations-1 (a resumed swarm's records start at `first`).
+    Returns (violations, totals); no violations = exactly once.
 
     `hashes`: (iteration, stage) -> node -> weights hash after that step; `microbatches`: M.
     totals: `expected` microbatch-stage pairs, `dropped` microbatches of crashed data holders.
@@ -89,7 +90,7 @@ def audit_ledger(
             if r.get("event") == "dh_lost":
                 totals["dropped"] += dropped_by(r, microbatches)
                 lost.add((int(r["iteration"]), str(r["node"])))
-    for it in range(iterations):
+    for it in range(first, iterations):
         for stage in range(stages):
             d = decisions.get((it, stage))
             if d is None:

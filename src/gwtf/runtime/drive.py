@@ -12,17 +12,19 @@ contract of docs/protocol.md without any protocol logic:
   the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`).
 `Host.compute` runs on the torch thread; everything else on the event loop.
 
-Checkpoints (for a stage whose every replica died): after each step whose version is a
-multiple of `protocol.checkpoint_every`, every replica writes the same bytes to
-`DIR/checkpoints/stage<k>/v<version>.safetensors` (atomic rename; on one machine the folder is
-shared, across machines each host keeps its own). Version 0 is the seeded initial model.
+Checkpoints (for a stage whose every replica died, and for `--resume`): after each step whose
+version is a multiple of `protocol.checkpoint_every`, every replica writes the same bytes to
+`DIR/checkpoints/stage<k>/v<version>.safetensors` with a sha256 manifest, fsynced
+(`gwtf.runtime.checkpoints`; on one machine the folder is shared, across machines each host keeps
+its own). Version 0 is the seeded initial model. A bootstrap node started with `--resume` loads
+the newest version complete for every stage and starts its core there (`NodeCore.start_version`);
+every other node follows the leader's version through the ordinary join path.
 
 Must not import asyncio or socket.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import zlib
 from collections.abc import Hashable, Sequence
@@ -41,7 +43,7 @@ from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
 from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record, StateTransfer
 from gwtf.protocol.router import PeerInfo
-from gwtf.runtime import statefile
+from gwtf.runtime import checkpoints, statefile
 from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 
 if TYPE_CHECKING:
@@ -136,7 +138,22 @@ class Host:
         core = RuntimeNodeCore(me, cfg.protocol, train, random.Random(seed))
         core.fixed_stage = None if bootstrap or stage < 0 else stage
         core.start_members = cfg.runtime.start_members
-        return cls(cfg, ident, node_id, core, spec, dataset, device)
+        host = cls(cfg, ident, node_id, core, spec, dataset, device)
+        if bootstrap and ident.resume:
+            host.resume_from_checkpoint()
+        return host
+
+    def resume_from_checkpoint(self) -> int:
+        """`--resume` on the bootstrap node (torch thread): load this stage's state of the newest
+        version complete for all stages and start the core there; joiners follow through the
+        join path (Welcome names the version). UserError if there is nothing to resume."""
+        cfg = self.cfg
+        version = checkpoints.resume_version(self.ckpt_dir, cfg.model.stages, cfg.train.iterations,
+                                             cfg.protocol.checkpoint_every)
+        if self.worker is not None:
+            self._load_checkpoint(self.worker, ("state", self.worker.stage, version))
+        self.core.start_version = version
+        return version
 
     @property
     def stage(self) -> int | None:
@@ -248,24 +265,18 @@ class Host:
                 "microbatches": self.grad_counts.get(key, 0)}
 
     def _save_checkpoint(self, w: StageWorker, version: int) -> None:
-        folder = self.ckpt_dir / f"stage{w.stage}"
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".v{version}.{os.getpid()}.tmp"
-        tmp.write_bytes(w.state_blob().tobytes())
-        os.replace(tmp, folder / f"v{version}.safetensors")
-        every = self.cfg.protocol.checkpoint_every
-        for old in folder.glob("v*.safetensors"):  # keep the two newest: a rollback needs the last
-            stem = old.stem[1:]
-            if stem.isdigit() and int(stem) < version - every:
-                old.unlink(missing_ok=True)
+        """Hashed and fsynced (`runtime.checkpoints`); the previous complete version is kept."""
+        checkpoints.write_version(self.ckpt_dir, w.stage, version, w.state_blob().tobytes())
 
     def _load_checkpoint(self, w: StageWorker, key: Sequence[Any]) -> None:
+        """Load version key[2] of this stage, verified (CheckpointError naming a bad file: a
+        failed compute; falling back to an older version here would desynchronise the stages)."""
         version = int(key[2])
         if version == 0:
             w.reset_initial()
             return
-        path = self.ckpt_dir / f"stage{w.stage}" / f"v{version}.safetensors"
-        w.load_state_blob(np.frombuffer(path.read_bytes(), dtype=np.uint8))
+        blob = checkpoints.read_version(self.ckpt_dir, w.stage, version)
+        w.load_state_blob(np.frombuffer(blob, dtype=np.uint8))
 
     def _make_worker(self, stage: int) -> StageWorker:
         """A worker for `stage`; tensors already received (keyed by the protocol) are kept."""

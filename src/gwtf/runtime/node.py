@@ -56,6 +56,7 @@ class NodeIdentity:
     join: str | None
     device: str
     out_dir: Path
+    resume: bool = False  # --resume: a bootstrap node continues from the newest complete checkpoint
 
 
 def make_node_id(name: str, region: str, addr: str) -> NodeId:

@@ -16,6 +16,7 @@ Must not import torch or asyncio.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -26,6 +27,7 @@ from typing import Any
 
 from gwtf.config import Config
 from gwtf.runtime.audit import audit_ledger, dropped_by
+from gwtf.runtime.checkpoints import CHECKPOINTS_DIR, resume_version
 from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status
 
@@ -45,6 +47,7 @@ class SwarmOptions:
     config_path: str | None = None
     overrides: tuple[str, ...] = ()
     faults: dict[str, str] = field(default_factory=dict)  # node name -> runtime.fault
+    resume: bool = False  # continue the run in out_dir from its newest complete checkpoint
 
 
 def initial_plans(cfg: Config, opts: SwarmOptions) -> list[NodePlan]:
@@ -88,12 +91,18 @@ class _Iteration:
 class SwarmMetrics:
     """Reads every node's records.jsonl incrementally and emits one row per completed iteration."""
 
-    def __init__(self, out_dir: Path, microbatches: int = 0) -> None:
+    def __init__(self, out_dir: Path, microbatches: int = 0, first: int = 0,
+                 prior: list[dict[str, Any]] | None = None) -> None:
+        """`first`: the first iteration these nodes train (a resumed run's checkpoint version);
+        `prior`: the rows of earlier iterations kept from a previous attempt (metrics continue)."""
         self.out_dir = out_dir
         self.microbatches = microbatches
         self._tails: dict[str, JsonlTail] = {}
         self._its: dict[int, _Iteration] = {}
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[dict[str, Any]] = list(prior or [])
+        self.first = first
+        self.next_iteration = first  # the next iteration to complete
+        self._time0 = float(self.rows[-1]["time_s"]) if self.rows else 0.0
         self.hashes: dict[tuple[int, int], dict[str, str]] = {}  # (iteration, stage) -> node -> hash
         self.records: dict[str, list[dict[str, Any]]] = {}
         self.unix_start_s = 0.0  # wall clock of the leader's (last) start of iteration 0
@@ -114,7 +123,7 @@ class SwarmMetrics:
         if not isinstance(it, int):
             return
         slot = self._its.setdefault(it, _Iteration())
-        if event == "iter_start" and it == 0 and not self.rows:  # the leader starts training
+        if event == "iter_start" and it == self.first == self.next_iteration:  # the leader starts training
             self.unix_start_s = max(self.unix_start_s, float(row.get("unix_s", 0.0)))
         if event == "loss" and p.plan.role == "data-holder":
             slot.losses[(p.name, int(row["index"]))] = float(row["loss"])
@@ -133,12 +142,13 @@ class SwarmMetrics:
         """Emit rows for iterations every live data holder has stepped (in order)."""
         new: list[dict[str, Any]] = []
         while True:
-            it = len(self.rows)
+            it = self.next_iteration
             slot = self._its.get(it)
             live_dh = {p.name for p in procs if p.plan.role == "data-holder" and p.alive()}
             if slot is None or not slot.stepped or not live_dh <= slot.stepped:
                 return new
-            now = (slot.unix_s - self.unix_start_s) if slot.unix_s and self.unix_start_s else time.monotonic() - started_s
+            now = self._time0 + ((slot.unix_s - self.unix_start_s) if slot.unix_s and self.unix_start_s
+                                 else time.monotonic() - started_s)
             tokens = sum(slot.tokens.values())
             prev_t = self.rows[-1]["time_s"] if self.rows else 0.0
             row = {
@@ -149,6 +159,7 @@ class SwarmMetrics:
                 "microbatches_redone": slot.redone, "microbatches_dropped": slot.dropped,
             }
             self.rows.append(row)
+            self.next_iteration += 1
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
             new.append(row)
@@ -161,6 +172,61 @@ class SwarmMetrics:
         self._file.close()
 
 
+NODES_DIR = "nodes"
+METRICS_FILE = "metrics.jsonl"
+
+
+def previous_run(out_dir: Path) -> bool:
+    """Does `out_dir` hold an earlier run (node folders, metrics or checkpoints)?"""
+    return any((out_dir / name).exists() for name in (NODES_DIR, METRICS_FILE, CHECKPOINTS_DIR))
+
+
+def prepare_out_dir(cfg: Config, opts: SwarmOptions, say: Callable[[str], None]) -> tuple[int, list[dict[str, Any]]]:
+    """A fresh run clears an earlier run's node folders, metrics and checkpoints (stale records
+    would be read back as this run's, stale checkpoints resumed from). A resumed run finds its
+    version V (`checkpoints.resume_version`, warnings through `say`), moves the old node folders
+    to `nodes-<k>/` (k = 1, 2, ...: one per earlier attempt) and keeps the metrics rows of
+    iterations < V. Returns (V, kept rows); V = 0 for a fresh run."""
+    out = opts.out_dir
+    if not opts.resume:
+        for name in (NODES_DIR, CHECKPOINTS_DIR, *(p.name for p in out.glob(f"{NODES_DIR}-*"))):
+            shutil.rmtree(out / name, ignore_errors=True)
+        (out / METRICS_FILE).unlink(missing_ok=True)
+        return 0, []
+    first = resume_version(out / CHECKPOINTS_DIR, cfg.model.stages, cfg.train.iterations,
+                           cfg.protocol.checkpoint_every, warn=say)
+    if (out / NODES_DIR).exists():
+        k = 1
+        while (out / f"{NODES_DIR}-{k}").exists():
+            k += 1
+        (out / NODES_DIR).rename(out / f"{NODES_DIR}-{k}")
+    return first, _keep_metrics(out / METRICS_FILE, first)
+
+
+def _keep_metrics(path: Path, before: int) -> list[dict[str, Any]]:
+    """Rewrite `path` with its rows of iterations < `before` (atomically); return them."""
+    rows: list[dict[str, Any]] = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a torn last line of a killed run
+            if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] < before:
+                rows.append(row)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+    return rows
+
+
+class _ResumeGroup(ProcessGroup):
+    """Starts every node with `--resume` (the bootstrap node loads the checkpoint, see `gwtf node`)."""
+
+    def command(self, plan: NodePlan, join: str | None, listen: str = "127.0.0.1:0") -> list[str]:
+        return [*super().command(plan, join, listen), "--resume"]
+
+
 class Swarm:
     """One local swarm run; use as a context manager so every process dies with it."""
 
@@ -169,19 +235,18 @@ class Swarm:
         self.opts = opts
         self.say = say
         opts.out_dir.mkdir(parents=True, exist_ok=True)
-        # A reused output folder starts fresh: stale node logs or metrics rows of an earlier run
-        # would otherwise be read back as this run's (wrong times, tokens, ledger).
-        shutil.rmtree(opts.out_dir / "nodes", ignore_errors=True)
-        (opts.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.first, prior = prepare_out_dir(cfg, opts, say)
         members = cfg.train.data_holders + opts.replicas * (cfg.model.stages - 1)
         overrides = (*opts.overrides, f"runtime.start_members={members}")
-        self.group = ProcessGroup(opts.out_dir, opts.config_path, overrides)
-        self.metrics = SwarmMetrics(opts.out_dir, cfg.train.microbatches)
+        group = _ResumeGroup if opts.resume else ProcessGroup
+        self.group = group(opts.out_dir, opts.config_path, overrides)
+        self.metrics = SwarmMetrics(opts.out_dir, cfg.train.microbatches, self.first, prior)
         self.rng = random.Random(cfg.train.seed + 7919)
         self.crashes = 0
         self.joins = 0
         self.started_s = time.monotonic()
-        self._pending_kills = churn_iterations(opts.churn, cfg.train.iterations, self.rng)
+        self._pending_kills = [k for k in churn_iterations(opts.churn, cfg.train.iterations, self.rng)
+                               if k > self.first]
         self._kill_at_s: float | None = None
 
     def __enter__(self) -> Swarm:
@@ -265,9 +330,10 @@ class Swarm:
         return new
 
     def _churn(self, new_rows: list[dict[str, Any]]) -> None:
-        done = len(self.metrics.rows)
+        done = self.metrics.next_iteration
         if self._pending_kills and done >= self._pending_kills[0] and self._kill_at_s is None:
-            last = self.metrics.rows[-1]["time_s"] - (self.metrics.rows[-2]["time_s"] if done > 1 else 0.0)
+            rows = self.metrics.rows
+            last = rows[-1]["time_s"] - (rows[-2]["time_s"] if len(rows) > 1 else 0.0)
             self._kill_at_s = time.monotonic() + self.rng.uniform(0.1, 0.9) * max(0.05, last)
         if self._kill_at_s is not None and time.monotonic() >= self._kill_at_s:
             self._pending_kills.pop(0)
@@ -295,13 +361,13 @@ class Swarm:
     def audit(self, iterations: int | None = None) -> tuple[list[str], dict[str, int]]:
         """The exactly-once ledger of the completed iterations, from the node logs."""
         self.metrics.poll(self.group.procs)
-        n = len(self.metrics.rows) if iterations is None else iterations
+        n = self.metrics.next_iteration if iterations is None else iterations
         return audit_ledger(self.metrics.records, n, self.cfg.model.stages, self.metrics.hashes,
-                            self.cfg.train.microbatches)
+                            self.cfg.train.microbatches, first=self.first)
 
     def complete(self, iterations: int) -> bool:
         """`iterations` are done and some replica of every stage has logged the last step."""
-        return len(self.metrics.rows) >= iterations and all(
+        return self.metrics.next_iteration >= iterations and all(
             (iterations - 1, k) in self.metrics.hashes for k in range(self.cfg.model.stages))
 
     def finished(self) -> bool:

@@ -1,0 +1,130 @@
+"""Swarm stage checkpoints: sha256 per file verified on load, fall-back to the previous complete
+version when the newest is missing, truncated or modified, and pruning that keeps it.
+
+Uses a real `Host` (tiny model of configs/swarm-test.toml, CPU) so the bytes are real stage state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from gwtf.config import Config, load_config
+from gwtf.errors import UserError
+from gwtf.runtime import checkpoints
+from gwtf.runtime.drive import Host
+from gwtf.runtime.node import NodeIdentity
+from gwtf.runtime.worker import StageWorker
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "swarm-test.toml")
+EVERY = 5
+
+
+def _cfg() -> Config:
+    return load_config(CONFIG, ["model.stages=3", f"protocol.checkpoint_every={EVERY}", "train.iterations=30"])
+
+
+def _host(out: Path, resume: bool = False) -> Host:
+    ident = NodeIdentity(name="r1a", role="relay", stage=1, region="local", shard=None, listen="127.0.0.1:0",
+                         join=None, device="cpu", out_dir=out, resume=resume)
+    return Host.create(_cfg(), ident, "r1a/local@127.0.0.1:1")
+
+
+def _write_versions(out: Path, versions: tuple[int, ...]) -> dict[int, str]:
+    """Every stage writes each version (weights nudged between them); stage 1's hash per version."""
+    host = _host(out)
+    assert host.worker is not None
+    workers: list[StageWorker] = [host._make_worker(k) for k in range(3)]
+    hashes = {}
+    for v in versions:
+        for w in workers:
+            with torch.no_grad():
+                for p in w.module.parameters():
+                    p.add_(0.01)
+            host._save_checkpoint(w, v)
+        hashes[v] = workers[1].weights_hash()
+    return hashes
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+@pytest.mark.parametrize("damage", [_flip_bit, _truncate, _delete], ids=["flipped-bit", "truncated", "missing"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_resume_falls_back_to_the_previous_complete_version(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Callable[[Path], None], stage: int
+) -> None:
+    hashes = _write_versions(tmp_path, (5, 10))
+    bad = tmp_path / "checkpoints" / f"stage{stage}" / "v10.safetensors"
+    damage(bad)
+    with caplog.at_level(logging.WARNING, logger="gwtf.checkpoints"):
+        host = _host(tmp_path, resume=True)
+    assert host.core.start_version == 5
+    assert host.worker is not None and host.worker.weights_hash() == hashes[5]
+    assert str(bad) in caplog.text
+
+
+def test_resume_takes_the_newest_complete_version(tmp_path: Path) -> None:
+    hashes = _write_versions(tmp_path, (5, 10))
+    host = _host(tmp_path, resume=True)
+    assert host.core.start_version == 10
+    assert host.worker is not None and host.worker.weights_hash() == hashes[10]
+
+
+def test_a_flipped_bit_is_refused_on_load(tmp_path: Path) -> None:
+    """Loading a named version (rollback, joiner) verifies it instead of loading silently."""
+    _write_versions(tmp_path, (5,))
+    bad = tmp_path / "checkpoints" / "stage1" / "v5.safetensors"
+    _flip_bit(bad)
+    host = _host(tmp_path)
+    assert host.worker is not None
+    with pytest.raises(checkpoints.CheckpointError, match=r"stage1/v5\.safetensors: sha256 mismatch"):
+        host._load_checkpoint(host.worker, ("state", 1, 5, "checkpoint"))
+
+
+def test_a_version_missing_for_one_stage_is_not_complete(tmp_path: Path) -> None:
+    """Killed mid-save: stage 2 never wrote v10 (only a temp file) -> v5 for everyone."""
+    _write_versions(tmp_path, (5, 10))
+    folder = tmp_path / "checkpoints" / "stage2"
+    (folder / "v10.safetensors").rename(folder / f".v10.safetensors.{12345}.tmp")
+    (folder / "v10.json").unlink()
+    assert checkpoints.newest_complete(tmp_path / "checkpoints", 3) == 5
+
+
+def test_pruning_keeps_the_previous_complete_version(tmp_path: Path) -> None:
+    _write_versions(tmp_path, (5, 10, 15))
+    folder = tmp_path / "checkpoints" / "stage1"
+    assert sorted(p.name for p in folder.iterdir()) == ["v10.json", "v10.safetensors", "v15.json", "v15.safetensors"]
+    _truncate(folder / "v15.safetensors")  # newest damaged: the next save keeps the last good one
+    _write_versions_stage1(tmp_path, 20)
+    assert checkpoints.versions(tmp_path / "checkpoints", 1) == [20, 15, 10]
+
+
+def _write_versions_stage1(out: Path, version: int) -> None:
+    host = _host(out)
+    assert host.worker is not None
+    host._save_checkpoint(host.worker, version)
+
+
+def test_nothing_to_resume_from_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="nothing to resume from: .*checkpoints has no checkpoint complete for all 3"):
+        _host(tmp_path, resume=True)
+    _write_versions(tmp_path, (5,))
+    _flip_bit(tmp_path / "checkpoints" / "stage0" / "v5.safetensors")
+    with pytest.raises(UserError, match="nothing to resume from"):
+        _host(tmp_path, resume=True)
