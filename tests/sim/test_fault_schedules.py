@@ -56,3 +56,12 @@ def test_fresh_long_mode_seeds_that_failed_before_the_join_and_commit_fixes(seed
     summary, _ = run_scenario(load_scenario(None, random_schedule(seed)), seed)
     assert summary["invariant_violations"] == 0, summary["violations"][:3]
     assert summary["finished"], summary["stop_reason"]
+
+
+def test_a_swarm_joiner_sent_to_its_own_lost_stage_is_activated() -> None:
+    """Long-mode SWARM seed 50220: SWARM's joiner picks its own stage (least throughput), not the
+    leader's; when that stage was lost the leader sent it to join again for it, then ignored its
+    Ready (for that very stage) as void: a deadlock with a live joiner for the lost stage."""
+    summary, _ = run_scenario(load_scenario(None, random_schedule(50220)), 50220, "swarm")
+    assert summary["invariant_violations"] == 0, summary["violations"][:3]
+    assert summary["finished"], summary["stop_reason"]

@@ -71,7 +71,7 @@ class LeaderState:
     commit_set: set[NodeId] = field(default_factory=set)
     pending: dict[Contrib, float] = field(default_factory=dict)  # aggregation redo chain -> deadline
     waiting: set[NodeId] = field(default_factory=set)  # joiners ready for an older version
-    reassigned: set[NodeId] = field(default_factory=set)  # joiners told to join again for a lost stage
+    reassigned: dict[NodeId, int] = field(default_factory=dict)  # joiner told to join again -> the lost stage
     ready: dict[NodeId, PeerInfo] = field(default_factory=dict)  # waiting joiners as their Ready described them
     lost_from: int = NONE  # the iteration at which a stage was lost (paused)
     commits: dict[int, Commit] = field(default_factory=dict)  # stage -> the Commit of the current round
@@ -193,7 +193,7 @@ class LeaderMixin(CoreState):
                 continue
             j = spare.pop(0)
             self.lead.waiting.discard(j)
-            self.lead.reassigned.add(j)  # its Ready for the old stage, if in flight, is void
+            self.lead.reassigned[j] = stage  # its Ready for another stage, if in flight, is void
             out += [record("joiner_reassigned", node=j, stage=stage),
                     self.send(j, Refetch(term=self.term, iteration=self.lead.t, stage=stage))]
         return out
@@ -357,8 +357,9 @@ class LeaderMixin(CoreState):
         return []
 
     def on_ready(self, sender: NodeId, msg: Ready, now: float) -> list[Effect]:
-        if not self.is_leader or sender in self.lead.reassigned:
+        if not self.is_leader or self.lead.reassigned.get(sender, msg.stage) != msg.stage:
             return []
+        self.lead.reassigned.pop(sender, None)
         self.pending_joiners.discard(sender)  # type: ignore[attr-defined]
         self.last_hb[sender] = now  # type: ignore[attr-defined]
         if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):

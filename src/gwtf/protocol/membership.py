@@ -317,7 +317,10 @@ class MembershipMixin(CoreState):
         """The leader's record of a joiner waiting (or sent to join again) is void."""
         lead = getattr(self, "lead", None)
         if lead is not None:
-            (lead.reassigned if reassigned else lead.waiting).discard(pid)
+            if reassigned:
+                lead.reassigned.pop(pid, None)
+            else:
+                lead.waiting.discard(pid)
 
     def vote_failed_to(self, peer: NodeId) -> None:
         self.vote_failed.add(peer)
