@@ -46,6 +46,8 @@ from gwtf.protocol.router import FlowSlot, LinkEstimate, PeerInfo
 __all__ = ["FlowAgent", "FlowEntry", "FlowKey"]
 
 
+EARLY_ADVERTS_KEPT = 64  # adverts kept from peers not yet up (joiners between Welcome and MemberUp)
+
 class FlowAgent(FlowAnneal):
     """The flow router of one node. Every public method returns the effects to carry out."""
 
@@ -84,6 +86,9 @@ class FlowAgent(FlowAnneal):
     def on_peer_up(self, info: PeerInfo, link: LinkEstimate, now: float) -> list[Any]:
         self.now = now
         self._add_peer(info, link)
+        early = self._early_adverts.pop(info.id, None)
+        if early is not None and info.id in self.next_peers:
+            self._on_advert(info.id, early)
         if info.stage == self.prev_stage and info.id != self.me.id:
             self._advertised = None  # a new upstream peer must hear our costs
         self._reheat()
@@ -91,6 +96,7 @@ class FlowAgent(FlowAnneal):
 
     def on_peer_down(self, peer: NodeId, now: float) -> list[Any]:
         self.now = now
+        self._early_adverts.pop(peer, None)
         self._remove_peer(peer)
         for e in list(self.flows.values()):
             if e.next == peer:
@@ -190,6 +196,15 @@ class FlowAgent(FlowAnneal):
     def _on_advert(self, sender: NodeId, msg: FlowAdvert) -> None:
         nb = self.next_peers.get(sender)
         if nb is None:
+            # A joiner advertises as soon as it has a stage, before its activation reaches us
+            # (MemberUp): keep its latest advert for when it comes up. Dropped, a joiner of the
+            # last relay stage (whose first advert is not held back) was never routed to: it
+            # stays silent while its costs do not change (gwtf demo, r2a killed).
+            early = self._early_adverts
+            early.pop(sender, None)
+            if len(early) >= EARLY_ADVERTS_KEPT:
+                early.pop(next(iter(early)))
+            early[sender] = msg
             return
         nb.has_capacity = msg.has_capacity
         if nb.set_advert(msg.targets, msg.costs_s):

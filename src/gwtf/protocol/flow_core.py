@@ -186,6 +186,7 @@ class FlowCore:
         self._out: list[Any] = []
         self._dirty = False
         self._advertised: tuple[tuple[str, ...], tuple[float, ...], bool] | None = None
+        self._early_adverts: dict[NodeId, Any] = {}  # adverts of peers not (yet) up, latest per sender
         self._last_advert_s = -INF
         self._advert_timer_set = False
         self._costs: tuple[tuple[str, ...], tuple[float, ...]] = ((), ())

@@ -375,6 +375,9 @@ class LeaderMixin(CoreState):
         return []
 
     def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Effect]:
+        # a member is counted by the directory now: a pending assignment left behind would count
+        # its capacity again once it dies (and hide a lost stage from the next joiner)
+        self.pending_stage.pop(pid, None)  # type: ignore[attr-defined]
         self._dir_set(info)  # type: ignore[attr-defined]
         out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.lead.t)]
         out += self._broadcast(MemberUp(term=self.term, peer=to_tuple(info)), include_self=False)

@@ -345,6 +345,7 @@ class MembershipMixin(CoreState):
         """Leader: declare `pid` dead and tell everyone, the joiners still pending included (one
         of them may be fetching its state from `pid`)."""
         self.last_hb.pop(pid, None)
+        self.pending_stage.pop(pid, None)
         out: list[Effect] = [record("evict", node=pid, by=self.me.id, graceful=graceful)]
         msg = MemberDown(term=self.term, node=pid, graceful=graceful)
         out += [self.send(q, msg) for q in sorted(self.directory) if q not in (pid, self.me.id)]

@@ -74,7 +74,8 @@ def churn_iterations(kind: str, iterations: int, rng: random.Random) -> list[int
         return [rng.randint(1, max(1, iterations // 2))]
     if kind == "high":
         every = max(2, iterations // 5)
-        return list(range(rng.randint(1, every), iterations - 1, every))
+        # the last kill leaves its joiner a whole period to join and serve before the run ends
+        return list(range(rng.randint(1, every), max(2, iterations - every), every))
     raise ValueError(f"unknown churn {kind!r} (none, low, high)")
 
 
