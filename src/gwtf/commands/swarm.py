@@ -133,7 +133,7 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
 
     from gwtf.model.plots import plot_loss
     from gwtf.runtime.launcher import NodeStartError
-    from gwtf.runtime.status import render_table, stalled_lines, stalled_stages
+    from gwtf.runtime.status import render_table, stalled_stages
     from gwtf.runtime.swarm import Swarm, SwarmOptions
 
     assert isinstance(opts, SwarmOptions)
@@ -155,13 +155,8 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
                   transient=False) if live_table else _NoLive() as live:
             while not swarm.finished() and time.monotonic() < deadline:
                 rows_now = swarm.table_rows()
-                now_stalled = stalled_stages(rows_now, cfg.model.stages)
-                if now_stalled != stalled and not live_table:
-                    for line in stalled_lines(k for k in now_stalled if k not in stalled):
-                        console.print(line, markup=False)
-                    for k in (k for k in stalled if k not in now_stalled):
-                        console.print(f"stage {k} is served again", markup=False)
-                stalled = now_stalled
+                stalled = _stall_lines(stalled_stages(rows_now, cfg.model.stages), stalled,
+                                       None if live_table else console)
                 for row in swarm.step():
                     window_tokens += row["tokens"]
                     if not live_table and time.monotonic() - last_line > 3.0:
@@ -192,6 +187,18 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
     print(f"done: {len(rows)} iterations, loss {first:.4f} -> {last:.4f}, crashes {swarm.crashes}, "
           f"joins {swarm.joins} (joiners that served, of {len(swarm.joiners)} started); outputs in {opts.out_dir} (metrics.jsonl, loss.png, nodes/)")
     return 0
+
+
+def _stall_lines(now: list[int], before: list[int], console: Any) -> list[int]:
+    """Off a terminal: print a line when a stage stalls or is served again. Returns `now`."""
+    from gwtf.runtime.status import stalled_lines
+
+    if console is not None and now != before:
+        for line in stalled_lines(k for k in now if k not in before):
+            console.print(line, markup=False)
+        for k in (k for k in before if k not in now):
+            console.print(f"stage {k} is served again", markup=False)
+    return now
 
 
 class _NoLive:
