@@ -212,6 +212,7 @@ class _DoubleCounting(TensorSimulator):
     def _compute_done(self, node: str, job: Compute, dur_s: float) -> None:
         if not self.doubled and job.kind == "backward" and job.stage == 1 and node in self.hosts:
             self.doubled = True
+            self.hosts[node].take_received()
             self.hosts[node].worker.backward(job.inputs[1], job.inputs[2], ("scratch",))  # type: ignore[union-attr]
             self.hosts[node].worker.forward(job.inputs[1], job.inputs[0], job.inputs[1])  # type: ignore[union-attr]
         super()._compute_done(node, job, dur_s)

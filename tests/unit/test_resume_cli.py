@@ -27,7 +27,7 @@ def _one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> No
 
 def test_swarm_refuses_a_previous_run_without_resume(tmp_path: Path) -> None:
     (tmp_path / "run" / "nodes" / "dh0").mkdir(parents=True)
-    _one_line_error(_gwtf(tmp_path, "swarm", "--out", "run"), "run holds a previous run", "--resume")
+    _one_line_error(_gwtf(tmp_path, "swarm", "--out", "run"), "--out run is not empty", "--resume")
     assert (tmp_path / "run" / "nodes" / "dh0").is_dir()  # nothing was deleted
 
 

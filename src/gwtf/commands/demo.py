@@ -4,17 +4,26 @@ Owns the demo's embedded config (the same as configs/swarm-demo.toml: 2 data hol
 and 2 with 2 replicas each, tiny GPT on Shakespeare, 300 iterations, low churn = one kill -9 and
 one joiner) and its few flags. It writes that config to DIR/demo.toml, starts the swarm through
 `gwtf swarm`'s loop (live table), and prints where the outputs are.
+
+Output folder: the default `runs/demo` is the demo's own: a re-run replaces an earlier demo's
+outputs there (recognised by its demo.toml), so the README's first command works every time. Any
+other non-empty folder (an explicit `--out`, or runs/demo holding something else) is refused like
+`gwtf swarm` refuses it.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import tomllib
 from pathlib import Path
 
 from gwtf.cli import add_config_arguments
-from gwtf.config import Config, load_config
+from gwtf.config import Config, from_dict, load_config, merge_overrides
 
-__all__ = ["DEMO_TOML", "add_arguments", "run"]
+__all__ = ["DEFAULT_OUT", "DEMO_TOML", "add_arguments", "run"]
+
+DEFAULT_OUT = "runs/demo"
 
 DEMO_TOML = """\
 # gwtf demo: embedded defaults (same as configs/swarm-demo.toml)
@@ -57,7 +66,8 @@ checkpoint_every = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", metavar="DIR", default="runs/demo", help="output folder (default: runs/demo)")
+    parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                        help=f"output folder (default: {DEFAULT_OUT}, replaced on every run)")
     parser.add_argument("--churn", choices=("none", "low", "high"), default="low",
                         help="low (default): one kill -9 and one joiner")
     parser.add_argument("--iterations", type=int, metavar="K", help="shorthand for --set train.iterations=K")
@@ -66,18 +76,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gwtf.commands.swarm import run_swarm
+    from gwtf.commands.swarm import refuse_non_empty, run_swarm
     from gwtf.runtime.swarm import SwarmOptions
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    base = out / "demo.toml"
-    base.write_text(DEMO_TOML, encoding="utf-8")
     overrides = list(args.overrides)
     if args.iterations is not None:
         overrides.append(f"train.iterations={args.iterations}")
+    # the config is checked before the output folder is touched
+    cfg: Config = (load_config(args.config, overrides) if args.config else
+                   from_dict(Config, merge_overrides(tomllib.loads(DEMO_TOML), overrides)))
+    out = Path(args.out)
+    resume = bool(getattr(args, "resume", False))
+    if not resume and args.out == DEFAULT_OUT and (out / "demo.toml").is_file():
+        print(f"demo: replacing the earlier demo's outputs in {out}")
+        shutil.rmtree(out)
+    refuse_non_empty(out, resume)
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / "demo.toml"
+    base.write_text(DEMO_TOML, encoding="utf-8")
     config_path = args.config or str(base)
-    cfg: Config = load_config(config_path, overrides)
     opts = SwarmOptions(out_dir=out, replicas=2, churn=args.churn, timeout_s=args.timeout_s,
                         config_path=config_path, overrides=tuple(overrides))
     code = run_swarm(cfg, opts, title="gwtf demo")

@@ -2,17 +2,24 @@
 
 Owns the command's flags (output folder, replicas per relay stage, churn level, WAN emulation,
 iterations, overall timeout) and the display loop: a live rich table on a terminal, one progress
-line every few seconds otherwise. The processes, churn and metrics are `gwtf.runtime.swarm`.
-Every node process started here is killed when this command ends, however it ends.
+line every few seconds otherwise (and a line whenever a stage is left without an active node:
+"stalled: stage K has no node"). The processes, churn and metrics are `gwtf.runtime.swarm`.
+Every node process started here is killed when this command ends, however it ends: normally, on
+an error, on Ctrl+C (SIGINT), SIGTERM or SIGHUP (a closed terminal); a signal exits 128+signum.
+A non-empty `--out` is refused (it holds an earlier run) unless the run is resumed.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from gwtf.cli import add_config_arguments
 from gwtf.config import Config, load_config, write_resolved
@@ -67,31 +74,77 @@ def run(args: argparse.Namespace) -> int:
     from gwtf.runtime.swarm import previous_run
 
     out = Path(args.out)
-    if previous_run(out) and not args.resume:
-        raise UserError(f"{out} holds a previous run: pass --resume to continue it, or use another --out")
     if args.resume and not previous_run(out):
         raise UserError(f"nothing to resume from: {out} holds no previous run")
+    refuse_non_empty(out, bool(args.resume))
     cfg, opts = _options(args)
     return run_swarm(cfg, opts)
 
 
-def _sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # the Swarm context manager kills every node on the way out
+def refuse_non_empty(out: Path, resume: bool) -> None:
+    """An earlier run's folder is never silently reused: its node logs and checkpoints would mix
+    with (or be deleted by) the new run's."""
+    if resume:
+        return
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(f"--out {out} is not empty (an earlier run?): use a new folder, delete this one, "
+                        "or continue that run with --resume")
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) unwinds like Ctrl+C, so the Swarm context manager
+    kills every node on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
+    for sig in STOP_SIGNALS:  # a second signal must not interrupt the clean-up
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+@contextmanager
+def _stop_signals() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM/SIGHUP into `Stopped` for the block (previous handlers restored)."""
+    old: dict[int, Any] = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
-    """Start, watch and finish a local swarm; returns the exit code (1 on timeout)."""
+    """Start, watch and finish a local swarm; returns the exit code (1 on timeout, 128+signum
+    when stopped by a signal, after every node process was killed)."""
+    try:
+        with _stop_signals():
+            return _run_swarm(cfg, opts, title)
+    except Stopped as stop:
+        name = signal.Signals(stop.signum).name
+        sys.stderr.write(f"{title}: stopped by {name}; every node process was killed\n")
+        return 128 + stop.signum
+
+
+def _run_swarm(cfg: Config, opts: object, title: str) -> int:
     from rich.console import Console
     from rich.live import Live
 
     from gwtf.model.plots import plot_loss
     from gwtf.runtime.launcher import NodeStartError
-    from gwtf.runtime.status import render_table
+    from gwtf.runtime.status import render_table, stalled_stages
     from gwtf.runtime.swarm import Swarm, SwarmOptions
 
     assert isinstance(opts, SwarmOptions)
     console = Console(stderr=True)
-    signal.signal(signal.SIGTERM, _sigterm)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, opts.out_dir)
     deadline = time.monotonic() + opts.timeout_s
@@ -104,9 +157,13 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
         live_table = console.is_terminal
         last_line, last_row = 0.0, {"time_s": 0.0, "iteration": -1}
         window_tokens = 0
+        stalled: list[int] = []
         with Live(render_table(swarm.table_rows(), title), console=console, auto_refresh=False,
                   transient=False) if live_table else _NoLive() as live:
             while not swarm.finished() and time.monotonic() < deadline:
+                rows_now = swarm.table_rows()
+                stalled = _stall_lines(stalled_stages(rows_now, cfg.model.stages), stalled,
+                                       None if live_table else console)
                 for row in swarm.step():
                     window_tokens += row["tokens"]
                     if not live_table and time.monotonic() - last_line > 3.0:
@@ -117,7 +174,7 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
                                       f"loss {row['loss']:.4f} tok/s {rate:.0f} "
                                       f"crashes {row['crashes']} joins {row['joins']}")
                 if live_table:
-                    live.update(render_table(swarm.table_rows(), title), refresh=True)
+                    live.update(render_table(rows_now, title, stalled), refresh=True)
                 time.sleep(POLL_S)  # display refresh period, not synchronisation
         swarm.close()  # training is over (or timed out): no node may run on past it
         rows = swarm.metrics.rows
@@ -137,8 +194,21 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
     first, last = rows[0]["loss"], rows[-1]["loss"]
     resumed = f" (resumed at iteration {swarm.first})" if swarm.first else ""
     print(f"done: {len(rows)} iterations{resumed}, loss {first:.4f} -> {last:.4f}, crashes {swarm.crashes}, "
-          f"joins {swarm.joins}; outputs in {opts.out_dir} (metrics.jsonl, loss.png, nodes/)")
+          f"joins {swarm.joins} (joiners that served, of {len(swarm.joiners)} started); outputs in {opts.out_dir} "
+          "(metrics.jsonl, loss.png, nodes/)")
     return 0
+
+
+def _stall_lines(now: list[int], before: list[int], console: Any) -> list[int]:
+    """Off a terminal: print a line when a stage stalls or is served again. Returns `now`."""
+    from gwtf.runtime.status import stalled_lines
+
+    if console is not None and now != before:
+        for line in stalled_lines(k for k in now if k not in before):
+            console.print(line, markup=False)
+        for k in (k for k in before if k not in now):
+            console.print(f"stage {k} is served again", markup=False)
+    return now
 
 
 class _NoLive:

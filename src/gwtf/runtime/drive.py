@@ -10,7 +10,17 @@ contract of docs/protocol.md without any protocol logic:
 - `FreeIteration(t)` drops every tensor whose key's iteration (key[2]) is <= t;
 - `reduce` sums the named gradients in the given (sorted replica) order and rescales the sum to
   the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`).
-`Host.compute` runs on the torch thread; everything else on the event loop.
+
+Threads: no torch call ever runs on the event loop (a loop blocked for a second misses heartbeats
+and the node is evicted). The loop side (`tensors_for`, `store_tensors`, `free_wire`) touches
+numpy arrays only: `_wire` holds the wire form (numpy) of every tensor the node may send, and
+received arrays wait in `_inbox`. Everything torch (building a stage's worker, converting received
+arrays into the store, the jobs, freeing the store) runs on the single torch thread: `compute`
+and `free_store`. A compute first moves the inbox into the store, so a message's tensors are there
+before any compute emitted after its arrival; after the job it publishes the wire form of its
+outputs (a view, no copy, on CPU) before its completion reaches the core. One lock guards the two
+dicts the threads share. A single-threaded driver (the tensor simulator) may call all of it from
+one thread; `other_effect` then frees both sides at once.
 
 Checkpoints (for a stage whose every replica died, and for `--resume`): after each step whose
 version is a multiple of `protocol.checkpoint_every`, every replica writes the same bytes to
@@ -26,8 +36,9 @@ Must not import asyncio or socket.
 from __future__ import annotations
 
 import random
+import threading
 import zlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +52,7 @@ from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
-from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record, StateTransfer
+from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.runtime import checkpoints, statefile
 from gwtf.runtime.worker import StageWorker, tensor_to_numpy
@@ -110,6 +121,9 @@ class Host:
         self.worker: StageWorker | None = None
         self.grad_counts: dict[Hashable, int] = {}
         self.ckpt_dir = Path(ident.out_dir) / "checkpoints"
+        self._lock = threading.Lock()  # guards _wire and _inbox (loop and torch thread)
+        self._wire: dict[Hashable, np.ndarray] = {}  # key -> what a send attaches (numpy)
+        self._inbox: dict[Hashable, np.ndarray] = {}  # received, not yet in the worker's store
         if ident.stage is not None:
             self.worker = self._make_worker(ident.stage)
 
@@ -171,45 +185,96 @@ class Host:
     # -- tensors ------------------------------------------------------------------------------
 
     def tensors_for(self, msg: Message) -> list[np.ndarray]:
+        """Event loop: the array a message's key names (received, or a finished job's output)."""
         key = getattr(msg, "key", None)
-        if not key or self.worker is None or key not in self.worker.store:
+        if not key:
             return []
-        return [self.worker.to_numpy(key)]
+        with self._lock:
+            arr = self._wire.get(key)
+        return [] if arr is None else [arr]
 
     def store_tensors(self, msg: Message, tensors: list[np.ndarray]) -> None:
+        """Event loop: keep a received array under the message's key (no torch here: the next
+        compute moves it into the worker's store on the torch thread)."""
         key = getattr(msg, "key", None)
         if not tensors:
             return
         if not key or len(tensors) != 1:
             raise ValueError(f"{len(tensors)} tensors on a message without a single key")
-        if self.worker is None:
-            if self.core.me.stage < 0:
-                raise ValueError("tensor received before this node has a stage")
-            self.worker = self._make_worker(self.core.me.stage)
+        if self.core.me.stage < 0:
+            raise ValueError("tensor received before this node has a stage")
         if isinstance(msg, GradShare):
             self.grad_counts[key] = msg.count
-        if isinstance(msg, StateTransfer):  # serialized state stays on the CPU, uncopied, until imported
-            self.worker.store[key] = torch.from_numpy(tensors[0])
-            return
-        self.worker.put(key, tensors[0])
+        with self._lock:
+            self._wire[key] = tensors[0]  # the same array, not a copy
+            self._inbox[key] = tensors[0]
 
-    def other_effect(self, eff: Any, now: float) -> list[Any]:
-        if isinstance(eff, FreeIteration) and self.worker is not None:
-            w = self.worker
-            drop = [k for k in list(w.store) if isinstance(k, tuple) and len(k) > 2 and isinstance(k[2], int)
-                    and k[2] <= eff.iteration]
-            w.free(drop)
-            w.drop_graphs_before(eff.iteration)
-            for k in [k for k in self.grad_counts if isinstance(k, tuple) and k[2] <= eff.iteration]:
-                del self.grad_counts[k]
+    def other_effect(self, eff: Any, now: float,
+                     submit: Callable[[Callable[[int], None], int], None] | None = None) -> list[Any]:
+        """`FreeIteration`: the wire side now; the store through `submit` (the torch thread's
+        queue, in emission order), or at once when no `submit` is given (one-thread drivers)."""
+        if isinstance(eff, FreeIteration):
+            self.free_wire(eff.iteration)
+            if submit is None:
+                self.free_store(eff.iteration)
+            else:
+                submit(self.free_store, eff.iteration)
         return []
+
+    def free_wire(self, iteration: int) -> None:
+        with self._lock:
+            for k in [k for k in self._wire if _iteration_of(k) <= iteration]:
+                del self._wire[k]
+
+    def free_store(self, iteration: int) -> None:
+        """Torch thread: drop tensors and autograd graphs of iterations <= `iteration`."""
+        with self._lock:
+            for k in [k for k in self._inbox if _iteration_of(k) <= iteration]:
+                del self._inbox[k]
+        w = self.worker
+        if w is not None:
+            self._drain_inbox(w)
+            w.free([k for k in list(w.store) if _iteration_of(k) <= iteration])
+            w.drop_graphs_before(iteration)
+        for k in [k for k in list(self.grad_counts) if _iteration_of(k) <= iteration]:
+            self.grad_counts.pop(k, None)
+
+    def take_received(self) -> None:
+        """Torch thread: move received arrays into the worker's store now (for a caller that
+        drives the worker directly; every `compute` does this first)."""
+        if self.worker is not None:
+            self._drain_inbox(self.worker)
+
+    def _drain_inbox(self, w: StageWorker) -> None:
+        """Torch thread: received arrays -> the worker's store (device tensors)."""
+        with self._lock:
+            arrived, self._inbox = self._inbox, {}
+        for key, arr in arrived.items():
+            if isinstance(key, tuple) and key and key[0] == "state":
+                w.store[key] = torch.from_numpy(arr)  # serialized state stays on the CPU, uncopied, until imported
+            else:
+                w.put(key, arr)
+
+    def _publish(self, w: StageWorker, keys: Sequence[Hashable]) -> None:
+        """Torch thread: the wire form of a job's outputs, for the sends that follow its completion."""
+        ready = {k: w.to_numpy(k) for k in keys if k in w.store}
+        if ready:
+            with self._lock:
+                self._wire.update(ready)
 
     # -- compute (torch thread) ---------------------------------------------------------------
 
     def compute(self, eff: Compute) -> ComputeResult:
+        """Torch thread: one job (the stage's worker is built here when missing or moved)."""
         if self.worker is None or self.worker.stage != eff.stage:
             self.worker = self._make_worker(eff.stage)
-        w, out = self.worker, ComputeResult()
+        self._drain_inbox(self.worker)
+        out = self._run_job(self.worker, eff)
+        self._publish(self.worker, eff.outputs)
+        return out
+
+    def _run_job(self, w: StageWorker, eff: Compute) -> ComputeResult:
+        out = ComputeResult()
         kind, ins, outs = eff.kind, eff.inputs, eff.outputs
         if kind == "embed":
             assert eff.mb is not None
@@ -238,7 +303,9 @@ class Host:
         elif kind == "step":
             out.records.append(("stepped", self._step(w, eff)))
         elif kind == "export_state":  # one buffer, on the CPU: the transport streams it in chunks
-            w.store[outs[0]] = torch.from_numpy(statefile.export_state(w))
+            blob = statefile.export_state(w)  # only ever sent: its wire form is the buffer itself
+            with self._lock:
+                self._wire[outs[0]] = blob
             out.records.append(("state_exported", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
         elif kind == "import_state":
             statefile.import_state(w, tensor_to_numpy(w.store[ins[0]]))
@@ -257,7 +324,9 @@ class Host:
         """Step with the reduced gradient named by the single input key ("rgrad", stage, it, ...)."""
         key = eff.inputs[0]
         iteration = int(key[2])
-        h = w.apply_step(iteration, w.store[key])
+        # a copy: the step clips its gradient in place, and the reduced gradient may still be on
+        # its way to the other replicas (its wire form shares the tensor's memory)
+        h = w.apply_step(iteration, w.store[key].clone())
         version = iteration + 1
         if version % self.cfg.protocol.checkpoint_every == 0:
             self._save_checkpoint(w, version)
@@ -285,6 +354,13 @@ class Host:
         if old is not None:
             w.store = old.store
         return w
+
+
+def _iteration_of(key: Hashable) -> float:
+    """A tensor key's iteration (key[2]); keys without one are never freed by iteration."""
+    if isinstance(key, tuple) and len(key) > 2 and isinstance(key[2], int):
+        return key[2]
+    return float("inf")
 
 
 def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:

@@ -4,8 +4,13 @@ Owns the event loop side of a node: the authenticated `Transport` (Send effects 
 per-peer `Outbox`es, optionally delayed by the emulated WAN; `SendFailed` becomes
 `core.on_send_failed`), protocol timers on `loop.call_at` (`TimerTable`), the single torch thread
 (a one-worker executor running `StageWorker` jobs, so heartbeats keep flowing while a stage
-computes), the per-node files (`status.json`, `records.jsonl`), the `READY {json}` line, fault
-injection (`runtime.fault`), and graceful leave on SIGINT/SIGTERM (`core.on_leave`, flush, exit).
+computes), the per-node files (`status.json`, `records.jsonl`), the `READY {json}` line, progress
+lines on stdout, fault injection (`runtime.fault`), graceful leave on SIGINT/SIGTERM/SIGHUP
+(`core.on_leave`, flush, exit 0) and the exit code of a node that gives up (`STOP_EXIT`).
+
+No torch call runs on the event loop: compute jobs, stage construction and the freeing of torch
+tensors go to the torch thread in emission order (see `gwtf.runtime.drive`). A stall of the loop
+itself (the status timer firing late by more than a heartbeat period) is recorded (`loop_stall`).
 
 Protocol decisions are the core's; this module only executes effects (see `gwtf.runtime.drive`
 for the mapping of compute effects and tensor keys to the worker). The node's id embeds its
@@ -41,6 +46,16 @@ from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, RecordLog, dumps, nod
 from gwtf.runtime.transport import SendFailed, Transport
 
 log = logging.getLogger("gwtf.node")
+
+# Exit codes of a node whose core stopped it (its `self_stop` record's reason); finished training
+# and a graceful leave exit 0, a user error 2, any other reason 1.
+STOP_EXIT = {"evicted": 3, "partitioned": 4, "compute_failed": 5}
+STOP_TEXT = {
+    "evicted": "evicted by the leader (declared dead: missed heartbeats or probes)",
+    "partitioned": "no leader heard for protocol.partition_timeout_s (partitioned)",
+    "compute_failed": "a compute job failed",
+}
+PROGRESS_PERIOD_S = 2.0  # at most one progress line per period (and one at the last step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +110,11 @@ class NodeRuntime:
         self.exit_code = 0
         self.state = "starting"
         self.stats: dict[str, Any] = {"iteration": None, "last_loss": None, "tokens_per_s": None,
-                                      "crashes_seen": 0, "joins_seen": 0}
+                                      "crashes_seen": 0, "joins_seen": 0, "microbatches": 0}
+        self.stop_reason: str | None = None
+        self._last_failure = ""
+        self._progress_s = 0.0
+        self._status_due = 0.0
         self.host: drive.Host | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -105,7 +124,7 @@ class NodeRuntime:
         # diagnostics: a node that is not serving within the READY deadline dumps every thread's
         # stack into its log (and `kill -USR1 PID` does so at any time)
         faulthandler.dump_traceback_later(self.cfg.runtime.ready_timeout_s, exit=False, file=sys.stdout)
-        self.executor.submit(drive.init_torch_thread, self.cfg.runtime.torch_threads).result()
+        await loop.run_in_executor(self.executor, drive.init_torch_thread, self.cfg.runtime.torch_threads)
         transport = Transport("?", load_secret(self.cfg.runtime.secret_file or None), self._on_frame,
                               self.cfg.runtime)
         host, _, port_text = self.ident.listen.rpartition(":")
@@ -120,7 +139,7 @@ class NodeRuntime:
             self.host = await loop.run_in_executor(self.executor, drive.Host.create, self.cfg, self.ident,
                                                    self.node_id)
             contact = await self._contact_id()
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.add_signal_handler(sig, self._on_signal)
             self.state = "joining" if self.ident.join else "active"
             self._status_tick()
@@ -146,7 +165,7 @@ class NodeRuntime:
             raise UserError(f"cannot reach join contact {self.ident.join}: {exc.reason}") from None
 
     def _on_signal(self) -> None:
-        """SIGINT/SIGTERM: graceful leave (announce), then exit once the leave is sent."""
+        """SIGINT/SIGTERM/SIGHUP: graceful leave (announce), then exit once the leave is sent."""
         if self.state == "leaving":
             self.stop.set()
             return
@@ -211,6 +230,8 @@ class NodeRuntime:
             self._check_fault(event, fields)
             self.record(event, **fields)
             self._track(event, fields)
+            if event == "self_stop":
+                self._stopped(str(fields.get("reason", "")))
             if event in drive.DONE_EVENTS and self.state != "finishing":
                 self.state = "finishing"
                 asyncio.get_running_loop().create_task(self._finish_then_stop())
@@ -219,8 +240,35 @@ class NodeRuntime:
             self._check_fault(point, {"iteration": it, "index": mb_index, "stage": stage})
             self._submit(eff)
         else:
-            return self.host.other_effect(eff, now)
+            return self.host.other_effect(eff, now, submit=self._submit_job)
         return []
+
+    def _submit_job(self, fn: Any, *args: Any) -> None:
+        """Queue a torch-thread job that answers nothing (e.g. freeing tensors), in order."""
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.error("torch-thread job %s failed: %r", getattr(fn, "__name__", fn), f.exception())
+
+        fut.add_done_callback(done)
+
+    def _stopped(self, reason: str) -> None:
+        """The core stopped this node: choose the exit code and say why, in one line."""
+        self.stop_reason = reason
+        last, total = self.stats.get("iteration"), self.cfg.train.iterations
+        finished = reason == "partitioned" and isinstance(last, int) and total > 0 and last >= total - 1
+        if finished:  # only the leader hears training_done; the others outlive it, then stop
+            self.exit_code = 0
+            line = f"training finished ({total} iterations); stopping: no leader any more"
+        else:
+            self.exit_code = STOP_EXIT.get(reason, 1)
+            text = STOP_TEXT.get(reason, reason or "stopped by its protocol core")
+            detail = f": {self._last_failure}" if reason == "compute_failed" and self._last_failure else ""
+            line = f"stopped: {text}{detail} (exit {self.exit_code})"
+        print(f"gwtf node {self.ident.name}: {line}", file=sys.stderr, flush=True)
+        (log.info if finished else log.error)("%s", line)
+        self._write_status()
 
     def _submit(self, eff: Any) -> None:
         assert self.host is not None
@@ -232,8 +280,7 @@ class NodeRuntime:
                 return
             exc = f.exception()
             if exc is not None:
-                log.warning("compute rejected: job=%s reason=%s", drive.job_id(eff), exc)
-                self.record("compute_rejected", job=drive.job_id(eff), reason=str(exc))
+                self._compute_failed(eff, exc)
                 return
             result = f.result()
             for event, fields in result.records:
@@ -243,6 +290,15 @@ class NodeRuntime:
                 self._apply(host.compute_done(eff, result, asyncio.get_running_loop().time()))
 
         fut.add_done_callback(done)
+
+    def _compute_failed(self, eff: Any, exc: BaseException) -> None:
+        """A job raised on the torch thread: the core decides (refetch, refuse, or leave + stop)."""
+        reason = f"{type(exc).__name__}: {exc}"
+        self._last_failure = f"{getattr(eff, 'kind', '?')}: {reason}"[:300]
+        log.error("compute %s failed: job=%s %s", getattr(eff, "kind", "?"), drive.job_id(eff), reason,
+                  exc_info=exc if not isinstance(exc, ValueError) else None)
+        if self.host is not None and not self.stop.is_set():
+            self._apply(self.host.core.on_compute_failed(drive.job_id(eff), reason, asyncio.get_running_loop().time()))
 
     def _send(self, to: NodeId, msg: Message) -> None:
         assert self.host is not None
@@ -286,6 +342,7 @@ class NodeRuntime:
 
     def _on_timer(self, key: Any) -> None:
         if key == ("runtime", "status"):
+            self._check_stall()
             self._status_tick()
             return
         if self.host is not None and not self.stop.is_set():
@@ -317,6 +374,9 @@ class NodeRuntime:
             self.stats["tokens_per_s"] = fields.get("tokens_per_s", self.stats["tokens_per_s"])
             if self.state == "joining":
                 self.state = "active"
+            self._progress()
+        elif event == "contribute":
+            self.stats["microbatches"] += 1
         elif event in drive.CRASH_EVENTS:
             self.stats["crashes_seen"] += 1
         elif event in drive.JOIN_EVENTS:
@@ -324,11 +384,34 @@ class NodeRuntime:
         elif event in drive.ACTIVE_EVENTS:
             self.state = "active"
 
+    def _progress(self) -> None:
+        """One stdout line per PROGRESS_PERIOD_S (and at the last iteration): where training is."""
+        it, total = self.stats.get("iteration"), self.cfg.train.iterations
+        last = isinstance(it, int) and total > 0 and it >= total - 1
+        if time.monotonic() - self._progress_s < PROGRESS_PERIOD_S and not last:
+            return
+        self._progress_s = time.monotonic()
+        loss = self.stats.get("last_loss")
+        members = len(getattr(self.host.core, "directory", {})) if self.host is not None else 0
+        step = f"{it + 1}/{total}" if isinstance(it, int) else "-"
+        print(f"progress: {self.ident.name} stage {self.host.stage if self.host else '-'} iteration {step} "
+              f"loss {f'{loss:.4f}' if isinstance(loss, float) else '-'} members {members} "
+              f"microbatches {self.stats['microbatches']} state {self.state}", flush=True)
+
+    def _check_stall(self) -> None:
+        """The status timer fired late: the event loop was blocked (heartbeats were late too)."""
+        late_s = asyncio.get_running_loop().time() - self._status_due
+        if self._status_due and late_s > self.cfg.protocol.heartbeat_period_s:
+            log.warning("event loop stalled %.2fs (heartbeat period %.2fs)", late_s,
+                        self.cfg.protocol.heartbeat_period_s)
+            self.record("loop_stall", late_s=round(late_s, 3))
+
     def _status_tick(self) -> None:
         self._write_status()
         if not self.stop.is_set():
             loop = asyncio.get_running_loop()
-            self.timers.set(("runtime", "status"), loop.time() + self.cfg.runtime.status_period_s)
+            self._status_due = loop.time() + self.cfg.runtime.status_period_s
+            self.timers.set(("runtime", "status"), self._status_due)
 
     def _write_status(self) -> None:
         host = self.host
@@ -336,6 +419,7 @@ class NodeRuntime:
             "node": self.node_id, "name": self.ident.name, "role": self.ident.role,
             "stage": host.stage if host else self.ident.stage, "region": self.ident.region, "state": self.state,
             "in_flight": host.in_flight() if host else 0, "pid": os.getpid(), **self.stats,
+            "stop_reason": self.stop_reason,
             "time_s": round(time.monotonic() - self.started_s, 3),
         })
 

@@ -10,7 +10,8 @@ Owns the files under `DIR/nodes/<name>/`:
   and `me` (the writing node's id; a record's own `node` field is the core's and is kept).
 - `stdout.log`: everything the node printed (the launcher reads the READY line from it).
 And `render_table`, the rich table of all nodes (node, stage, region, state, microbatches in
-flight, last loss, tokens/s, crashes/joins).
+flight, microbatches contributed, last loss, tokens/s, crashes/joins), with a caption line
+"stalled: stage K has no node" for every stage without a live active node (`stalled_stages`).
 
 Must not import torch or asyncio.
 """
@@ -130,18 +131,33 @@ def _fmt(value: Any, spec: str) -> str:
         return str(value)
 
 
-def render_table(rows: Iterable[Mapping[str, Any]], title: str = "") -> Table:
-    """The live swarm table: one row per node status (launcher fields merged in)."""
-    table = Table(title=title or None, expand=False)
+def stalled_stages(rows: Iterable[Mapping[str, Any]], stages: int) -> list[int]:
+    """Stages 0..stages-1 that no row serves: a row serves its `stage` when its `state` is
+    "active" (the launcher marks dead processes "crashed"/"exited" and nodes the core stopped
+    with their reason, so a stale status file of a dead node does not count)."""
+    served = {row.get("stage") for row in rows if row.get("state") == "active"}
+    return [k for k in range(stages) if k not in served]
+
+
+def stalled_lines(stalled: Iterable[int]) -> list[str]:
+    return [f"stalled: stage {k} has no node" for k in stalled]
+
+
+def render_table(rows: Iterable[Mapping[str, Any]], title: str = "", stalled: Iterable[int] = ()) -> Table:
+    """The live swarm table: one row per node status (launcher fields merged in); a caption
+    names every stalled stage."""
+    caption = "\n".join(stalled_lines(stalled))
+    table = Table(title=title or None, expand=False, caption=caption or None, caption_style="bold red")
     for col, justify in (
         ("node", "left"), ("role", "left"), ("stage", "right"), ("region", "left"), ("state", "left"),
-        ("iter", "right"), ("in flight", "right"), ("last loss", "right"), ("tokens/s", "right"),
-        ("crashes/joins", "right"),
+        ("iter", "right"), ("in flight", "right"), ("microbatches", "right"), ("last loss", "right"),
+        ("tokens/s", "right"), ("crashes/joins", "right"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for row in rows:
         state = str(row.get("state", "?"))
-        style = {"crashed": "red", "exited": "red", "active": "green", "joining": "yellow"}.get(state, "")
+        style = {"active": "green", "joining": "yellow", "starting": "", "finishing": "",
+                 "leaving": "", "stopped": ""}.get(state, "red")
         table.add_row(
             str(row.get("name", row.get("node", "?"))),
             str(row.get("role", "-")),
@@ -150,6 +166,7 @@ def render_table(rows: Iterable[Mapping[str, Any]], title: str = "") -> Table:
             f"[{style}]{state}[/{style}]" if style else state,
             _fmt(row.get("iteration"), "d"),
             _fmt(row.get("in_flight"), "d"),
+            _fmt(row.get("microbatches"), "d"),
             _fmt(row.get("last_loss"), ".4f"),
             _fmt(row.get("tokens_per_s"), ".0f"),
             f"{row.get('crashes_seen', 0)}/{row.get('joins_seen', 0)}",

@@ -4,8 +4,12 @@ Owns: the initial node plan (data holders with their shards, R replicas of every
 the seeded churn schedule (`--churn low|high`: kill -9 of relays at random moments, joiners
 started through a random live peer), the metrics of the whole swarm (`DIR/metrics.jsonl`, same
 fields as `gwtf train --local` plus crashes, joins, microbatches_redone, microbatches_dropped),
-`DIR/loss.png` and the live rich table. Processes are owned by a `ProcessGroup`, so every one is
+`DIR/loss.png` and the live rich table (with the microbatches each node contributed and a line
+per stage left without an active node). Processes are owned by a `ProcessGroup`, so every one is
 killed on exit, error or Ctrl+C.
+
+"joins" counts joiners that SERVED: a joiner counts once its own records show it activated and
+then contributed a microbatch (`served`); joiners started but not (yet) serving do not count.
 
 A swarm iteration is complete when every data holder still running has logged its `stepped`
 record for it (the driver's record of an optimizer step, with the new weights' hash); its loss is the mean of the `loss` records the data holders logged for it.
@@ -19,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +34,7 @@ from gwtf.config import Config
 from gwtf.runtime.audit import audit_ledger, dropped_by
 from gwtf.runtime.checkpoints import CHECKPOINTS_DIR, resume_version
 from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup
-from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status
+from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status, stalled_stages
 
 REDONE_EVENTS = frozenset({"redo"})  # the core's record of one redo (in flight or at aggregation)
 DROPPED_EVENTS = frozenset({"dh_lost"})  # leader: a data holder died; `started` microbatches dropped
@@ -244,7 +249,8 @@ class Swarm:
         self.metrics = SwarmMetrics(opts.out_dir, cfg.train.microbatches, self.first, prior)
         self.rng = random.Random(cfg.train.seed + 7919)
         self.crashes = 0
-        self.joins = 0
+        self.joiners: list[str] = []  # names of the joiners started, in order
+        self._reported_exits: set[str] = set()
         self.started_s = time.monotonic()
         self._pending_kills = [k for k in churn_iterations(opts.churn, cfg.train.iterations, self.rng)
                                if k > self.first]
@@ -294,10 +300,16 @@ class Swarm:
         """Start a joiner (relay) through a random live node."""
         live = [p for p in self.group.live() if p.ready is not None]
         contact = self.rng.choice(live)
-        self.joins += 1
-        plan = NodePlan(name=f"j{self.joins}", role="relay", stage=stage, region=self.rng.choice(self.opts.regions))
+        name = f"j{len(self.joiners) + 1}"
+        self.joiners.append(name)
+        plan = NodePlan(name=name, role="relay", stage=stage, region=self.rng.choice(self.opts.regions))
         proc = self.group.spawn(plan, join=contact.addr)
         return proc
+
+    @property
+    def joins(self) -> int:
+        """Joiners that served (activated, then contributed a microbatch)."""
+        return sum(1 for name in self.joiners if served(self.metrics.records.get(name, [])))
 
     def kill_random_relay(self) -> NodeProcess | None:
         """kill -9 a relay whose stage keeps at least one other live replica."""
@@ -327,6 +339,14 @@ class Swarm:
                     self.group.check_ready(p)
                 except RuntimeError as exc:
                     self.say(f"joiner {p.name} failed: {exc}")
+            elif p.state == "ready" and not p.alive() and p.name not in self._reported_exits:
+                self._reported_exits.add(p.name)
+                code = p.popen.returncode
+                reason = (read_status(p.dir / STATUS_FILE) or {}).get("stop_reason") or "no reason recorded"
+                if code < 0:
+                    self.say(f"node {p.name} was killed by {signal.Signals(-code).name}")
+                else:
+                    self.say(f"node {p.name} exited with code {code}: {reason}")
         self._churn(new)
         return new
 
@@ -381,7 +401,34 @@ class Swarm:
             row = {"name": p.name, "role": p.plan.role, "region": p.plan.region, **status}
             if not p.alive():
                 row["state"] = {"killed": "crashed"}.get(p.state, p.state if p.state != "ready" else "exited")
+                if row["state"] == "exited" and status.get("stop_reason"):
+                    row["state"] = str(status["stop_reason"])
             elif p.state == "starting":
                 row["state"] = "starting"
+            elif self._silent(p):
+                row["state"] = "silent"  # alive but not rewriting its status: frozen or its loop stalled
             rows.append(row)
         return rows
+
+    def _silent(self, p: NodeProcess) -> bool:
+        """No status rewrite for longer than the protocol's eviction bound (plus one period)."""
+        try:
+            age_s = time.time() - (p.dir / STATUS_FILE).stat().st_mtime
+        except OSError:
+            return False
+        return age_s > self.cfg.protocol.evict_after_s + self.cfg.runtime.status_period_s
+
+    def stalled(self) -> list[int]:
+        """Stages with no live active node right now (see `status.stalled_stages`)."""
+        return stalled_stages(self.table_rows(), self.cfg.model.stages)
+
+
+def served(records: list[dict[str, Any]]) -> bool:
+    """A node's records show it activated (a joiner's activation) and then contributed work."""
+    active = False
+    for row in records:
+        if row.get("event") == "activated":
+            active = True
+        elif active and row.get("event") == "contribute":
+            return True
+    return False
