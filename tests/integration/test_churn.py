@@ -29,10 +29,10 @@ DEMO_TIMEOUTS = ("protocol.heartbeat_period_s=0.25", "protocol.suspect_after_s=0
                  "protocol.mb_deadline_floor_s=20.0", "protocol.retry_period_s=0.2",
                  "protocol.partition_timeout_s=30.0", "protocol.checkpoint_every=5")
 
-# the demo's microbatch shape (4 microbatches of 4 x 64 tokens per data holder): an iteration takes
-# about as long as in `gwtf demo`, so a joiner (a new process: ~2-3 s to import torch and join)
-# has the time the demo gives it
-DEMO_SHAPE = ("model.seq_len=64", "model.microbatch_size=4", "train.microbatches=4")
+# 8 microbatches of 4 x 128 tokens per data holder: an iteration takes ~0.6-0.8 s on 2 cores, about
+# as long as in `gwtf demo` (0.57 s), so a joiner (a new process: ~2-3 s to import torch and join)
+# has the time the demo gives it (the test model's own shape runs ~0.1 s per iteration)
+DEMO_SHAPE = ("model.seq_len=128", "model.microbatch_size=4", "train.microbatches=8")
 
 
 def _swarm(tmp_path: Path, overrides: tuple[str, ...], churn: str = "none",
@@ -96,60 +96,83 @@ def test_high_churn_with_short_timeouts_finishes_and_every_joiner_serves(tmp_pat
         assert not idle, f"joiners that never served: {idle}\n{swarm.log_tails()}"
 
 
+LONG = "train.iterations=100000"  # the scenario tests stop the swarm themselves, a few iterations after the event
+
+
+def _done(swarm: Swarm) -> int:
+    return swarm.metrics.next_iteration
+
+
+def _run_on(swarm: Swarm, more: int, timeout_s: float) -> dict[str, int]:
+    """Run `more` iterations past the present and check the ledger of all of them."""
+    return _finish_clean(swarm, _done(swarm) + more, timeout_s)
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_two_joiners_at_once_both_serve(tmp_path: Path) -> None:
-    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, "train.iterations=60"))
+def test_two_joiners_at_once_both_become_identical_replicas(tmp_path: Path) -> None:
+    """Two joiners started at the same moment are both activated and then step with the same
+    weights as the replicas of their stage (the audit compares every replica's hash at every
+    step). Whether they carry microbatches is the router's choice: with spare capacity the flow
+    router may leave a replica idle (the churn test above, where a joiner replaces a dead relay,
+    asserts that joiners serve)."""
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, *DEMO_SHAPE, LONG))
     with swarm:
         swarm.start()
         assert swarm.run_until(3, 60.0), swarm.log_tails()
         a, b = swarm.join_node(), swarm.join_node()
-        _finish_clean(swarm, 60, 90.0)
-        assert _served(swarm, a.name) and _served(swarm, b.name), swarm.log_tails()
+
+        def stepping(name: str) -> bool:
+            return any(r.get("event") == "stepped" for r in _records(swarm, name))
+
+        _until(swarm, lambda: stepping(a.name) and stepping(b.name), 60.0, "both joiners stepping")
+        _run_on(swarm, 3, 30.0)
+        last = _done(swarm) - 1
+        assert all(any(r.get("event") == "stepped" and r["iteration"] == last for r in _records(swarm, p.name))
+                   for p in (a, b)), swarm.log_tails()
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_leader_and_relay_killed_at_once(tmp_path: Path) -> None:
-    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, "train.iterations=60"))
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, LONG))
     with swarm:
         swarm.start()
         assert swarm.run_until(4, 60.0), swarm.log_tails()
-        leader = next(p for p in swarm.group.procs if p.name == "dh0")
-        relay = next(p for p in swarm.group.procs if p.name == "r1a")
-        swarm.group.kill(leader)
-        swarm.group.kill(relay)
+        for name in ("dh0", "r1a"):
+            swarm.group.kill(next(p for p in swarm.group.procs if p.name == name))
         swarm.crashes += 2
-        totals = _finish_clean(swarm, 60, 90.0)
+        _run_on(swarm, 10, 60.0)
         terms = sorted(int(r["term"]) for _, r in _events(swarm, "leader_term"))
         assert terms[0] == 0 and terms[-1] >= 1, terms  # a new term was elected
-        assert totals["dropped"] >= 0
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_a_lost_stage_is_restored_from_the_checkpoint_by_a_later_joiner(tmp_path: Path) -> None:
-    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, "train.iterations=60"))
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, LONG))
     with swarm:
         swarm.start()
         assert swarm.run_until(6, 60.0), swarm.log_tails()  # checkpoint v5 is on disk
         for name in ("r2a", "r2b"):
             swarm.group.kill(next(p for p in swarm.group.procs if p.name == name))
-        _until(swarm, lambda: bool(_events(swarm, "stage_lost")), 30.0, "the leader's stage_lost")
+        _until(swarm, lambda: any(r["stages"] == [2] for _, r in _events(swarm, "stage_lost")), 30.0,
+               "the leader's stage_lost")
         joiner = swarm.join_node()
-        _finish_clean(swarm, 60, 120.0)
-        rollbacks = [r for _, r in _events(swarm, "rollback")]
+        _until(swarm, lambda: _served(swarm, joiner.name), 60.0, "the joiner serving")
+        _run_on(swarm, 5, 60.0)
+        rollbacks = [r for _, r in _events(swarm, "rollback") if r["lost_iterations"] > 0]
         assert rollbacks and rollbacks[-1]["version"] % 5 == 0, rollbacks
-        assert swarm.stage_of(joiner) == 2 and _served(swarm, joiner.name), swarm.log_tails()
+        assert swarm.stage_of(joiner) == 2, swarm.log_tails()
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_a_state_source_killed_while_exporting_leaves_the_joiner_to_restore_the_stage(tmp_path: Path) -> None:
     """Stage 1 is down to r1a, which dies as it starts exporting its state to a joiner (a fault at
-    export_state): the joiner, not a member, hears of its source's death and, with no replica
-    left, restores the stage from the checkpoint; the swarm rolls back to it and finishes."""
-    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, "train.iterations=60"), faults={"r1a": "kill:export_state"})
+    export_state, of a version >= 6: not the start-up joins): the joiner, not a member, hears of its source's death and, with no replica
+    left, restores the stage from the checkpoint; the swarm rolls back to it and goes on."""
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, LONG), faults={"r1a": "kill:export_state:from=6"})
     with swarm:
         swarm.start()
         assert swarm.run_until(6, 60.0), swarm.log_tails()
@@ -159,6 +182,6 @@ def test_a_state_source_killed_while_exporting_leaves_the_joiner_to_restore_the_
         joiner = swarm.join_node(stage="1")
         _until(swarm, lambda: any(r.get("event") == "fault" for r in _records(swarm, "r1a")), 30.0,
                "r1a's death at export_state")
-        _finish_clean(swarm, 60, 120.0)
-        assert _served(swarm, joiner.name), swarm.log_tails()
-        assert [r for _, r in _events(swarm, "rollback")], "the stage came back from the checkpoint"
+        _until(swarm, lambda: _served(swarm, joiner.name), 60.0, "the joiner serving")
+        _run_on(swarm, 5, 60.0)
+        assert [r for _, r in _events(swarm, "rollback") if r["lost_iterations"] > 0], "restored from the checkpoint"

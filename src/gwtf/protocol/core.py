@@ -115,9 +115,13 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         # A fresh or resumed swarm (nothing trained since the start) stays paused until every
         # initial node is a member, so all of them train from its first iteration (equivalence
         # with the reference trainer, and with the uninterrupted run).
+        # The hold is bounded: a start member that died while starting delays the first
+        # iteration by at most `partition_timeout_s` (then the swarm starts without it).
         first = self.start_version
-        fresh = self.version == first and getattr(getattr(self, "lead", None), "lost_from", first) <= first
-        if fresh and len(self.directory) < self.start_members:
+        lead = getattr(self, "lead", None)
+        fresh = self.version == first and getattr(lead, "lost_from", first) <= first
+        held_s = now - (lead.started_s if lead is not None else now)
+        if fresh and len(self.directory) < self.start_members and held_s < self.cfg.partition_timeout_s:
             return []
         return list(super()._resume(now))
 

@@ -65,6 +65,7 @@ class LeaderState:
     phase: Phase
     round: int  # the last commit round used (a new leader starts ROUND_GAP above any seen)
     stalled_log_s: float = 0.0
+    started_s: float = 0.0  # when this node began to lead
     reports: dict[NodeId, Report] = field(default_factory=dict)
     expected: dict[NodeId, tuple[int, ...]] = field(default_factory=dict)  # data holder -> its microbatches
     haves: set[NodeId] = field(default_factory=set)
@@ -95,7 +96,8 @@ class LeaderMixin(CoreState):
         prev: LeaderState | None = getattr(self, "lead", None)
         last = prev.round if prev is not None else 0
         self.lead = LeaderState(term=self.term, t=self.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
-                                round=max(last, seen) + (ROUND_GAP if recovering else 0), stalled_log_s=now)
+                                round=max(last, seen) + (ROUND_GAP if recovering else 0), stalled_log_s=now,
+                                started_s=now)
         self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}  # type: ignore[misc]
         if recovering:
             return self._broadcast(Collect(term=self.term, iteration=self.lead.t, leader=self.me.id), include_self=True)
@@ -221,8 +223,13 @@ class LeaderMixin(CoreState):
             if r.version < top:  # the old leader died while sending Step: finish it
                 out.append(self.send(pid, Step(term=self.term, iteration=r.version, round=r.have_round)))
         self.lead.t = top
-        self.lead.phase = Phase.RUN
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
+        if self.train.iterations and top >= self.train.iterations:
+            # the old leader died after the last step (e.g. it exited when training was done):
+            # nothing is left to run; an IterStart here trained one iteration past the end
+            self.lead.phase = Phase.FINISHED
+            return out + [record("training_done", iterations=top)]
+        self.lead.phase = Phase.RUN
         out += self._broadcast(IterStart(term=self.term, iteration=top, leader=self.me.id), include_self=True)
         for pid, r in sorted(reports.items()):
             if r.version == top and r.iteration == top:
@@ -349,6 +356,8 @@ class LeaderMixin(CoreState):
             out: list[Effect] = [record("admit_timeout", iteration=self.lead.t, joiners=tuple(sorted(self.lead.admitting)))]
             self.lead.admitting.clear()
             return out + self._begin(self.lead.t, now)
+        if self.lead.phase == Phase.PAUSED and all(self._stage_members()):
+            return self._resume(now)  # every stage is served again, but a (bounded) start hold was on
         if self.lead.phase == Phase.PAUSED and now - self.lead.stalled_log_s >= STALLED_LOG_PERIOD_S:
             self.lead.stalled_log_s = now
             empty = [k for k, m in enumerate(self._stage_members()) if not m]

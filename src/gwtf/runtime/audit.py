@@ -28,13 +28,31 @@ Records = Mapping[str, Sequence[Mapping[str, Any]]]
 _DRIVER_FIELDS = frozenset({"event", "t_s", "unix_s", "me"})  # what the node driver adds to a core Record
 
 
-def replay_invariants(records: Records, stages: int) -> list[str]:
+def current_step_hashes(records: Records) -> dict[tuple[int, int], dict[str, str]]:
+    """(iteration, stage) -> node -> weights hash of the step that stands: a rollback to version v
+    (a stage was lost) voids every step of iterations >= v logged before it, since those
+    iterations run again (with other replicas, so other summation groups: not bit-equal)."""
+    rollbacks = [(float(r.get("unix_s", 0.0)), int(r["version"])) for rows in records.values() for r in rows
+                 if r.get("event") == "rollback"]
+    out: dict[tuple[int, int], dict[str, str]] = {}
+    for name, rows in records.items():
+        for r in rows:
+            if r.get("event") != "stepped":
+                continue
+            it, at = int(r["iteration"]), float(r.get("unix_s", 0.0))
+            if any(t > at and v <= it for t, v in rollbacks):
+                continue
+            out.setdefault((it, int(r["stage"])), {})[name] = str(r["hash"])
+    return out
+
+
+def replay_invariants(records: Records, stages: int, run_iterations: int = 0) -> list[str]:
     """The simulator's invariant checker over the nodes' records, merged by wall clock (one
     machine's clock on loopback; across hosts, skew only reorders records of different nodes
     that are causally far apart). Liveness is the launcher's to judge (finished or timed out)."""
     rows = sorted((float(r.get("unix_s", 0.0)), i, name, r)
                   for name, rs in records.items() for i, r in enumerate(rs) if "event" in r)
-    checker = InvariantChecker(stages, progress_bound_s=float("inf"))
+    checker = InvariantChecker(stages, progress_bound_s=float("inf"), iterations=run_iterations)
     for t, _, name, r in rows:
         fields = {k: v for k, v in r.items() if k not in _DRIVER_FIELDS}
         checker.on_record(t, str(r.get("me") or name), str(r["event"]), fields)
@@ -72,7 +90,7 @@ def dropped_by(row: Mapping[str, Any], microbatches: int) -> int:
 
 def audit_ledger(
     records: Records, iterations: int, stages: int, hashes: Mapping[tuple[int, int], Mapping[str, str]],
-    microbatches: int = 0, first: int = 0,
+    microbatches: int = 0, first: int = 0, run_iterations: int = 0,
 ) -> tuple[list[str], dict[str, int]]:
     """Check iterations first..iterations-1 (a resumed swarm's records start at `first`).
     Returns (violations, totals); no violations = exactly once.
@@ -81,6 +99,7 @@ def audit_ledger(
     totals: `expected` microbatch-stage pairs, `dropped` microbatches of crashed data holders.
     """
     problems: list[str] = []
+    standing = current_step_hashes(records)
     decisions = final_decisions(records)
     logged = _contributions(records)
     totals: dict[str, int] = {"expected": 0, "dropped": 0}
@@ -112,11 +131,11 @@ def audit_ledger(
                 absent = [(o, i) for o, i in mbs if mine[(o, it, int(i), stage)] < 1]
                 if absent:
                     problems.append(f"iteration {it} stage {stage}: {node} credited with unlogged {absent}")
-            step_hashes = hashes.get((it, stage), {})
+            step_hashes = standing.get((it, stage), {}) if standing else hashes.get((it, stage), {})
             if not step_hashes:
                 problems.append(f"iteration {it} stage {stage}: no replica logged its step")
             elif len(set(step_hashes.values())) != 1:
                 problems.append(f"iteration {it} stage {stage}: replicas diverged {dict(step_hashes)}")
             totals["expected"] += len(expected)
-    problems += [f"invariant: {v}" for v in replay_invariants(records, stages)]
+    problems += [f"invariant: {v}" for v in replay_invariants(records, stages, run_iterations)]
     return problems, totals

@@ -312,10 +312,12 @@ class Swarm:
         return sum(1 for name in self.joiners if served(self.metrics.records.get(name, [])))
 
     def kill_random_relay(self) -> NodeProcess | None:
-        """kill -9 a relay whose stage keeps at least one other live replica."""
+        """kill -9 a relay whose stage keeps at least one other live, active replica (a joiner that
+        is not active yet does not count: killing the last active replica would lose the stage)."""
         live = [p for p in self.group.live() if p.plan.role == "relay" and p.ready is not None]
         stage_of = {p.name: self.stage_of(p) for p in live}
-        victims = [p for p in live if sum(1 for q in live if stage_of[q.name] == stage_of[p.name]) >= 2]
+        active = [p for p in live if (read_status(p.dir / STATUS_FILE) or {}).get("state") == "active"]
+        victims = [p for p in active if sum(1 for q in active if stage_of[q.name] == stage_of[p.name]) >= 2]
         if not victims:
             return None
         victim = self.rng.choice(sorted(victims, key=lambda p: p.name))
@@ -384,7 +386,8 @@ class Swarm:
         self.metrics.poll(self.group.procs)
         n = self.metrics.next_iteration if iterations is None else iterations
         return audit_ledger(self.metrics.records, n, self.cfg.model.stages, self.metrics.hashes,
-                            self.cfg.train.microbatches, first=self.first)
+                            self.cfg.train.microbatches, first=self.first,
+                            run_iterations=self.cfg.train.iterations)
 
     def complete(self, iterations: int) -> bool:
         """`iterations` are done and some replica of every stage has logged the last step."""

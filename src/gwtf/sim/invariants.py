@@ -32,8 +32,9 @@ MAX_KEPT = 50
 
 
 class InvariantChecker:
-    def __init__(self, stages: int, progress_bound_s: float) -> None:
+    def __init__(self, stages: int, progress_bound_s: float, iterations: int = 0) -> None:
         self.stages = stages
+        self.iterations = iterations  # the run's length (0: unknown): no step may go past it
         self.progress_bound_s = progress_bound_s
         self.violations: list[str] = []
         self.count = 0
@@ -88,6 +89,8 @@ class InvariantChecker:
 
     def _on_step(self, now: float, node: str, f: dict[str, Any]) -> None:
         it, rnd, stage = f["iteration"], f["round"], f["stage"]
+        if self.iterations and it >= self.iterations:
+            self.violate(f"beyond_end: {node} stepped iteration {it} of a {self.iterations}-iteration run")
         if f["version"] != it + 1:
             self.violate(f"version: {node} stepped iteration {it} to version {f['version']}")
         akey = (self.epoch, it, stage)

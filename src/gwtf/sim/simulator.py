@@ -89,7 +89,7 @@ class Simulator:
         self.net = NetworkModel(self.inst.network, sc.sim.control_bytes)
         self.compute = ComputeModel(random.Random(f"compute:{seed}"), sc.sim.compute_jitter,
                                     sc.sim.checkpoint_bandwidth_bytes_per_s)
-        self.checker = InvariantChecker(self.train.stages, sc.sim.progress_bound_s)
+        self.checker = InvariantChecker(self.train.stages, sc.sim.progress_bound_s, self.train.iterations)
         self.metrics = Metrics(self.train.tokens_per_microbatch)
         self.cores: dict[str, NodeCore] = {}
         self.dead_at: dict[str, float] = {}
