@@ -287,3 +287,25 @@ def test_ledger_audit_flags_double_counting_missing_work_and_divergence() -> Non
                             *good["dh0"][2:], {"event": "dh_lost", "node": "dh1", "iteration": 0, "started": -1}],
             "r1a": [contribute("r1a", 1, 0), contribute("r1a", 1, 0, origin="dh1")]}
     assert audit_ledger(lost, 1, 2, hashes, microbatches=2) == ([], {"expected": 4, "dropped": 2})
+
+
+def test_audit_voids_steps_a_rollback_ran_again_and_replays_the_invariant_checker() -> None:
+    """A stage lost at iteration 8 rolls the swarm back to version 5: iterations 5-7 run again
+    with other replicas (other summation groups), so the steps logged before the rollback no
+    longer stand; two leaders of one term fail the replayed simulator checker."""
+    from gwtf.runtime.audit import current_step_hashes, replay_invariants
+
+    def stepped(it: int, h: str, at: float) -> dict[str, object]:
+        return {"event": "stepped", "iteration": it, "stage": 2, "hash": h, "unix_s": at}
+
+    records = {
+        "r2a": [stepped(5, "old5", 1.0), stepped(6, "old6", 2.0)],
+        "dh0": [{"event": "rollback", "version": 5, "lost_from": 8, "lost_iterations": 3, "unix_s": 3.0}],
+        "j1": [stepped(4, "keep4", 0.5), stepped(5, "new5", 4.0), stepped(6, "new6", 5.0)],
+    }
+    standing = current_step_hashes(records)
+    assert standing[(5, 2)] == {"j1": "new5"} and standing[(6, 2)] == {"j1": "new6"}
+    assert standing[(4, 2)] == {"j1": "keep4"}
+    two = {"a": [{"event": "leader_term", "node": "a", "term": 1, "unix_s": 1.0}],
+           "b": [{"event": "leader_term", "node": "b", "term": 1, "unix_s": 2.0}]}
+    assert any("two_leaders" in v for v in replay_invariants(two, 3))
