@@ -143,3 +143,26 @@ def test_received_tensor_is_in_the_store_for_the_next_compute(cfg: Config, tmp_p
 
 def _forward(mb: tuple[int, int, int], key: Any) -> Forward:
     return Forward(mb=mb, flow_id=0, path=("dh0",), legs=(0,), key=key, size_bytes=1)
+
+
+def test_a_tensor_that_arrives_after_a_free_iteration_was_emitted_survives_it(
+        cfg: Config, tmp_path: Path, torch_thread: ThreadPoolExecutor) -> None:
+    """FreeIteration runs on the torch thread, after the jobs queued before it; a forward of the
+    iteration that arrives in between (a rollback starts iteration 0 again and frees it) must not
+    be dropped with it: it was, and the relay's next forward failed with KeyError (exit 5)."""
+    host = torch_thread.submit(_joiner, cfg, tmp_path).result()
+    old = ("act", "d0", 0, 0, "d0", 0)
+    new = ("act", "d0", 0, 1, "d0", 0)
+    arr = np.zeros(4, dtype=np.float32)
+    host.store_tensors(Forward(mb=("d0", 0, 0), flow_id=0, path=("d0",), legs=(0,), key=old, size_bytes=16), [arr])
+    queued: list[Any] = []
+    gate = threading.Event()
+    torch_thread.submit(gate.wait, 10.0)  # the torch thread is busy with an earlier job
+    host.other_effect(FreeIteration(0), 0.0, submit=lambda fn, *a: queued.append(torch_thread.submit(fn, *a)))
+    host.store_tensors(Forward(mb=("d0", 0, 1), flow_id=0, path=("d0",), legs=(0,), key=new, size_bytes=16), [arr])
+    gate.set()
+    for fut in queued:
+        fut.result(timeout=10.0)
+    torch_thread.submit(host.compute, Compute(9, "reset_grad", 1, None, 0.0)).result()  # builds the stage
+    assert host.worker is not None
+    assert new in host.worker.store and old not in host.worker.store

@@ -124,6 +124,8 @@ class Host:
         self._lock = threading.Lock()  # guards _wire and _inbox (loop and torch thread)
         self._wire: dict[Hashable, np.ndarray] = {}  # key -> what a send attaches (numpy)
         self._inbox: dict[Hashable, np.ndarray] = {}  # received, not yet in the worker's store
+        self._arrivals = 0  # received tensors so far (a FreeIteration frees only those before it)
+        self._arrived: dict[Hashable, int] = {}  # received key -> its arrival number
         if ident.stage is not None:
             self.worker = self._make_worker(ident.stage)
 
@@ -208,6 +210,8 @@ class Host:
         with self._lock:
             self._wire[key] = tensors[0]  # the same array, not a copy
             self._inbox[key] = tensors[0]
+            self._arrivals += 1
+            self._arrived[key] = self._arrivals
 
     def other_effect(self, eff: Any, now: float,
                      submit: Callable[[Callable[[int], None], int], None] | None = None) -> list[Any]:
@@ -215,10 +219,14 @@ class Host:
         queue, in emission order), or at once when no `submit` is given (one-thread drivers)."""
         if isinstance(eff, FreeIteration):
             self.free_wire(eff.iteration)
+            # what arrives after this effect was emitted (e.g. a forward of the iteration a
+            # rollback starts again) is not the protocol's to drop: the torch thread runs the
+            # free later, so it frees only tensors that had arrived by now
+            cut = self._arrivals
             if submit is None:
-                self.free_store(eff.iteration)
+                self.free_store(eff.iteration, cut)
             else:
-                submit(self.free_store, eff.iteration)
+                submit(lambda it: self.free_store(it, cut), eff.iteration)
         return []
 
     def free_wire(self, iteration: int) -> None:
@@ -226,15 +234,26 @@ class Host:
             for k in [k for k in self._wire if _iteration_of(k) <= iteration]:
                 del self._wire[k]
 
-    def free_store(self, iteration: int) -> None:
-        """Torch thread: drop tensors and autograd graphs of iterations <= `iteration`."""
+    def free_store(self, iteration: int, cut: int | None = None) -> None:
+        """Torch thread: drop tensors and autograd graphs of iterations <= `iteration`; of the
+        received ones only those with an arrival number <= `cut` (None: all)."""
+        limit = self._arrivals if cut is None else cut
+
+        def done(k: Hashable) -> bool:
+            return _iteration_of(k) <= iteration and self._arrived.get(k, 0) <= limit
+
         with self._lock:
-            for k in [k for k in self._inbox if _iteration_of(k) <= iteration]:
+            for k in [k for k in self._inbox if done(k)]:
                 del self._inbox[k]
+                self._arrived.pop(k, None)
         w = self.worker
         if w is not None:
             self._drain_inbox(w)
-            w.free([k for k in list(w.store) if _iteration_of(k) <= iteration])
+            gone = [k for k in list(w.store) if done(k)]
+            w.free(gone)
+            with self._lock:
+                for k in gone:
+                    self._arrived.pop(k, None)
             w.drop_graphs_before(iteration)
         for k in [k for k in list(self.grad_counts) if _iteration_of(k) <= iteration]:
             self.grad_counts.pop(k, None)
