@@ -10,7 +10,8 @@ Owns:
   heard from again (an unreachable link is treated like a crash for routing);
 - join (DESIGN.md 5): a new node asks any member, the leader answers with the directory and
   per-stage utilisation; the node picks the bottleneck stage, fetches weights + optimizer state
-  from a live replica (or the last checkpoint when the stage is empty), says `Ready`, and the
+  from a live replica (or, when the stage is empty, the last checkpoint: a data holder's copy,
+  else its own disk), says `Ready`, and the
   leader activates it at an iteration boundary whose version matches;
 - graceful leave: an announced crash (`LeaveNotice`); the leader evicts at once.
 

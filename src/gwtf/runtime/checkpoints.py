@@ -1,7 +1,8 @@
 """The swarm's stage checkpoints on disk: hashed, fsynced, two versions kept, verified on load.
 
 Owns the layout of `DIR/checkpoints/stage<k>/` (one folder per stage; on one machine every node
-of a local swarm shares it, across machines each host keeps its own):
+of a local swarm shares it, across machines each host keeps its own, and a data holder's holds
+copies of every relay stage's, `protocol.checkpoint_replicate`):
 - `v<version>.safetensors`: the stage's state blob (weights + AdamW state, `StageWorker.state_blob`);
 - `v<version>.json`: its manifest `{"format", "stage", "version", "bytes", "sha256"}`.
 A version of a stage is *complete* when both files exist and the blob's size and sha256 match the

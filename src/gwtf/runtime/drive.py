@@ -6,7 +6,8 @@ contract of docs/protocol.md without any protocol logic:
   key is attached; incoming, the received array is stored under it;
 - a `Compute(kind, inputs, outputs)` runs the matching worker job on the named keys (embed,
   forward, loss, backward, embed_backward, export_grad, reduce, step, reset_grad, export_state,
-  import_state, load_checkpoint) and is answered with `core.on_compute_done(job_id, now)`;
+  import_state, load_checkpoint, export_checkpoint, store_checkpoint, read_checkpoint) and is
+  answered with `core.on_compute_done(job_id, now)`;
 - `FreeIteration(t)` drops every tensor whose key's iteration (key[2]) is <= t;
 - `reduce` sums the named gradients in the given (sorted replica) order and rescales the sum to
   the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`).
@@ -26,7 +27,10 @@ Checkpoints (for a stage whose every replica died, and for `--resume`): after ea
 version is a multiple of `protocol.checkpoint_every`, every replica writes the same bytes to
 `DIR/checkpoints/stage<k>/v<version>.safetensors` with a sha256 manifest, fsynced
 (`gwtf.runtime.checkpoints`; on one machine the folder is shared, across machines each host keeps
-its own). Version 0 is the seeded initial model. A bootstrap node started with `--resume` loads
+its own, `runtime.checkpoint_folder`). With `protocol.checkpoint_replicate` the data holders also
+keep a copy of every relay stage's (export_checkpoint / store_checkpoint), and serve it to a
+joiner of a lost stage (read_checkpoint; the joiner keeps it on its disk too). Version 0 is the
+seeded initial model. A bootstrap node started with `--resume` loads
 the newest version complete for every stage and starts its core there (`NodeCore.start_version`);
 every other node follows the leader's version through the ordinary join path.
 
