@@ -112,6 +112,10 @@ class RuntimeConfig:
     chunk_bytes: int = 32 * 2**20  # a larger message body travels in chunks of this size, at most max_frame_bytes/2
     max_transfer_bytes: int = 64 * 2**30  # receiver: cap on one chunked message's declared body
     transfer_retries: int = 3  # sender: reconnects (resuming) after a chunked transfer's connection is lost
+    # where a node keeps its checkpoints: "shared" = DIR/checkpoints (one host: every node of a local
+    # swarm shares it), "per-node" = DIR/nodes/<name>/checkpoints (one host per node, as on several
+    # machines: for trying and testing the multi-host restore path on one machine; no --resume)
+    checkpoint_folder: Literal["shared", "per-node"] = "shared"
 
     def __post_init__(self) -> None:
         _require(self.max_frame_bytes >= 2**16, "runtime.max_frame_bytes", "must be >= 65536")
@@ -179,6 +183,7 @@ class ProtocolConfig:
     retry_period_s: float = 1.0  # parked work (no live next hop) is retried this often
     partition_timeout_s: float = 60.0  # a node that cannot reach any leader this long stops
     checkpoint_every: int = 10  # iterations between (modelled) checkpoints; a lost stage rolls back to one
+    checkpoint_replicate: bool = True  # at each checkpoint a replica of every relay stage sends it to the data holders
     swarm_rebalance_period_s: float = 300.0  # SWARM baseline: rebalancing period T (SWARM paper: 300 s)
     swarm_ban_s: float = 60.0  # SWARM baseline: a failed peer is banned this long (its DHT record's life)
     rebalance_period_s: float = 300.0  # gwtf: at most one relay moves to the bottleneck stage per period (0: off)

@@ -5,8 +5,9 @@ leader per term) must be clean.
 
 Cases: `--churn high` (a relay killed and a joiner started every 8 of 40 iterations) on 5 seeds;
 two joiners at once; the leader and a relay killed at once (an election under load); both
-replicas of a stage killed, a joiner arriving later restores the stage from the checkpoint; the
-state source of a joiner killed as it exports the state.
+replicas of a stage killed, a joiner arriving later restores the stage from the checkpoint (on
+the shared disk of one host, and from a data holder's copy when every node has its own disk);
+the state source of a joiner killed as it exports the state.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 
 from conftest import TEST_CONFIG
 from gwtf.config import load_config
+from gwtf.runtime import checkpoints
 from gwtf.runtime.launcher import NodeProcess
 from gwtf.runtime.swarm import Swarm, SwarmOptions
 
@@ -164,6 +166,47 @@ def test_a_lost_stage_is_restored_from_the_checkpoint_by_a_later_joiner(tmp_path
         rollbacks = [r for _, r in _events(swarm, "rollback") if r["lost_iterations"] > 0]
         assert rollbacks and rollbacks[-1]["version"] % 5 == 0, rollbacks
         assert swarm.stage_of(joiner) == 2, swarm.log_tails()
+
+
+PER_NODE = 'runtime.checkpoint_folder="per-node"'  # a disk per node, as on several machines
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_lost_stage_is_restored_from_a_data_holders_copy_when_every_node_has_its_own_disk(tmp_path: Path) -> None:
+    """Several hosts, emulated on one: every node keeps its checkpoints in its own folder, so the
+    joiner's disk holds nothing of stage 2 and only the data holders' copies (sent to them by a
+    stage-2 replica at each checkpoint) can bring the stage back."""
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, LONG, PER_NODE))
+    nodes = tmp_path / "swarm" / "nodes"
+
+    def stored(v: int) -> set[str]:
+        return {n for n, r in _events(swarm, "checkpoint_stored") if r["stage"] == 2 and r["version"] == v}
+
+    with swarm:
+        swarm.start()
+        assert swarm.run_until(6, 60.0), swarm.log_tails()
+        _until(swarm, lambda: stored(5) == {"dh0", "dh1"}, 30.0, "both data holders keeping stage 2's v5")
+        assert all(r["written"] for n, r in _events(swarm, "checkpoint_stored"))  # their own disks, not shared
+        for name in ("r2a", "r2b"):
+            swarm.group.kill(next(p for p in swarm.group.procs if p.name == name))
+        _until(swarm, lambda: any(r["stages"] == [2] for _, r in _events(swarm, "stage_lost")), 30.0,
+               "the leader's stage_lost")
+        joiner = swarm.join_node()
+        _until(swarm, lambda: _served(swarm, joiner.name), 60.0, "the joiner serving")
+        _run_on(swarm, 5, 60.0)
+        fetched = [r for n, r in _events(swarm, "checkpoint_fetched") if n == joiner.name]
+        assert len(fetched) == 1 and fetched[0]["stage"] == 2, fetched
+        version = int(fetched[0]["version"])
+        assert str(fetched[0]["source"]).startswith("dh"), fetched
+        imported = [r for n, r in _events(swarm, "state_imported") if n == joiner.name]
+        assert imported and imported[0]["checkpoint"] and imported[0]["version"] == version, imported
+        assert not [r for n, r in _events(swarm, "compute_failed") if n == joiner.name]
+        rollbacks = [r for _, r in _events(swarm, "rollback") if r["lost_iterations"] > 0]
+        assert rollbacks and rollbacks[-1]["version"] == version, rollbacks
+        assert swarm.stage_of(joiner) == 2, swarm.log_tails()
+        assert checkpoints.verify_version(nodes / joiner.name / "checkpoints", 2, version) is None
+        assert not (tmp_path / "swarm" / "checkpoints").exists()  # nothing was shared
 
 
 @pytest.mark.integration

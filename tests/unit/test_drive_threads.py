@@ -107,7 +107,8 @@ def test_joiner_takes_state_with_no_torch_call_on_the_loop(cfg: Config, tmp_path
 
     job = Compute(1, "import_state", 1, None, 0.0, (key,), (), int(blob.nbytes))
     result = torch_thread.submit(host.compute, job).result()
-    assert ("state_imported", {"stage": 1, "version": 7, "hash": expected}) in result.records
+    assert ("state_imported", {"stage": 1, "version": 7, "hash": expected, "source": key[3],
+                               "checkpoint": False}) in result.records
 
     out_key = ("state", 1, 7, "j1/local@127.0.0.1:1")
     torch_thread.submit(host.compute, Compute(2, "export_state", 1, None, 0.0, (), (out_key,))).result()

@@ -341,7 +341,28 @@ class AggregationMixin(CoreState):
         contributors = digest(c).positive
         job = self.job("step", (msg.iteration, c.round, contributors))
         return [Compute(job, "step", self.me.stage, None, 0.0, (self._rkey(c),), ()),
-                FreeIteration(msg.iteration - 1)]
+                *self._replicate_checkpoint(c, self.version), FreeIteration(msg.iteration - 1)]
+
+    def _replicate_checkpoint(self, c: Commit, version: int) -> list[Effect]:
+        """At a checkpoint version, relay replicas send it to the data holders, which keep the
+        newest checkpoint of every stage (`protocol.checkpoint_replicate`): the sorted data
+        holders are dealt round-robin over the round's sorted replicas (the Commit's list, the
+        same at every replica), so each data holder gets one copy and the uplinks share the
+        load. The export runs after the step (computes are FIFO): it holds state `version`."""
+        if not self.cfg.checkpoint_replicate or self.me.stage == 0 or version % self.cfg.checkpoint_every:
+            return []
+        replicas = sorted(c.replicas)
+        if self.me.id not in replicas:
+            return []
+        mine, n = replicas.index(self.me.id), len(replicas)
+        dhs = sorted(self.data_holders())  # type: ignore[attr-defined]
+        targets = tuple(d for j, d in enumerate(dhs) if j % n == mine)
+        if not targets:
+            return []
+        key = ("ckpt", self.me.stage, version, self.me.id)
+        size = self.train.stage_state_bytes[self.me.stage]
+        job = self.job("export_checkpoint", (targets, key, version))
+        return [Compute(job, "export_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
 
     def aggregation_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
         if kind == "export_grad":

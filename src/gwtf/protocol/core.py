@@ -165,8 +165,9 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
 
     def on_compute_failed(self, job_id: int, reason: str, now: float) -> list[Effect]:
         """A `Compute` raised in the driver (an exception in the stage worker). State jobs are
-        retried through the join path (another source, or the checkpoint); a failed export
-        answers the requester with a refusal; anything else means this node cannot serve its
+        retried through the join path (another source, or the checkpoint); a failed export (or a
+        data holder's checkpoint read) answers the requester with a refusal; a checkpoint copy
+        for the data holders that failed to export or be stored is only recorded; anything else means this node cannot serve its
         stage: it announces a leave (peers recover its work as after a crash) and stops with
         reason "compute_failed", which the runtime turns into a non-zero exit."""
         entry = self.jobs.pop(job_id, None)
@@ -174,10 +175,12 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             return []
         kind, ref = entry
         out: list[Effect] = [record("compute_failed", node=self.me.id, kind=kind, reason=reason[:200])]
-        if kind == "export_state":
-            to, _key, _version = ref
-            return self._drain(out + [self.send(to, m.StateTransfer(stage=self.me.stage, version=-1, key=(),
+        if kind in ("export_state", "read_checkpoint"):
+            to, key, _version = ref
+            return self._drain(out + [self.send(to, m.StateTransfer(stage=key[1], version=-1, key=(),
                                                                      ok=False))], now)
+        if kind in ("export_checkpoint", "store_checkpoint"):
+            return out  # a data holder's copy of a checkpoint is missing; training goes on
         if kind in ("import_state", "load_checkpoint") and not self.active:
             return self._drain(out + self.state_failed(kind, now), now)
         return self._drain(out + self.leave(now) + self.stop("compute_failed", now), now)

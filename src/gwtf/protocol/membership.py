@@ -10,7 +10,8 @@ Owns:
   heard from again (an unreachable link is treated like a crash for routing);
 - join (DESIGN.md 5): a new node asks any member, the leader answers with the directory and
   per-stage utilisation; the node picks the bottleneck stage, fetches weights + optimizer state
-  from a live replica (or the last checkpoint when the stage is empty), says `Ready`, and the
+  from a live replica (or, when the stage is empty, the last checkpoint: a data holder's copy,
+  else its own disk), says `Ready`, and the
   leader activates it at an iteration boundary whose version matches;
 - graceful leave: an announced crash (`LeaveNotice`); the leader evicts at once.
 
@@ -397,7 +398,7 @@ class MembershipMixin(CoreState):
         out = self.peer_down(msg.node, now)
         if not self.active and self.me.stage >= 0 and msg.node == self.state_source:
             out += [record("state_source_lost", node=self.me.id, source=msg.node)]
-            out += self.fetch_state(self.checkpoint_version(), now)
+            out += self.fetch_state(self.restore_point(), now)
         return out
 
     def on_evicted(self, sender: NodeId, msg: Evicted, now: float) -> list[Effect]:
@@ -564,6 +565,13 @@ class MembershipMixin(CoreState):
     def checkpoint_version(self) -> int:
         return self.version - self.version % self.cfg.checkpoint_every
 
+    restore_version: int = 0  # joiner: the checkpoint its Welcome (or last Refetch) named
+
+    def restore_point(self) -> int:
+        """The checkpoint a joiner restores when no replica serves it: the one the leader named
+        (a joiner's own version is not the swarm's; it was 0, and a retry loaded the initial model)."""
+        return self.restore_version
+
     def on_welcome(self, sender: NodeId, msg: Welcome, now: float) -> list[Effect]:
         if self.me.stage >= 0 or self.active:
             return []
@@ -590,6 +598,7 @@ class MembershipMixin(CoreState):
         self.last_leader_s = now
         self.iteration = msg.iteration
         self.state_tries = 0
+        self.restore_version = msg.checkpoint_iteration
         out: list[Effect] = [record("join_stage", node=self.me.id, stage=stage, utilisation=util[stage])]
         if factory is not None:
             out += list(self.router.on_start(now))
@@ -616,15 +625,22 @@ class MembershipMixin(CoreState):
         size = self.train.stage_state_bytes[self.me.stage]
         self.state_tries += 1
         if replicas and self.state_tries <= STATE_TRIES:
-            src = self.rng.choice(replicas)
-            self.state_source = src
-            deadline = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * self.ack_deadline_s(src, size))
-            return [self.send(src, StateRequest(stage=self.me.stage)),
-                    self.timer(("sget", 0), deadline, now)]
+            return self._ask_state(self.rng.choice(replicas), StateRequest(stage=self.me.stage), size, now)
+        holders = sorted(p for p in self.data_holders() if p != self.me.id and p not in failed)
+        if self.cfg.checkpoint_replicate and checkpoint > 0 and holders:
+            # several hosts: the data holders keep the newest checkpoint of every stage; our
+            # own disk (below) is the last resort once every data holder refused or failed
+            return self._ask_state(holders[0], StateRequest(stage=self.me.stage, checkpoint=checkpoint), size, now)
         self.state_source = "checkpoint"
         key = ("state", self.me.stage, checkpoint, "checkpoint")
         job = self.job("load_checkpoint", checkpoint)
         return [Compute(job, "load_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+
+    def _ask_state(self, src: NodeId, req: StateRequest, size: int, now: float) -> list[Effect]:
+        """Send a state request to `src` with the state deadline (`on_state_timer`)."""
+        self.state_source = src
+        deadline = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * self.ack_deadline_s(src, size))
+        return [self.send(src, req), self.timer(("sget", 0), deadline, now)]
 
     def on_state_timer(self, _: object, now: float) -> list[Effect]:
         src = self.state_source
@@ -632,7 +648,7 @@ class MembershipMixin(CoreState):
             return []
         self._state_failed(src)
         return [record("state_timeout", node=self.me.id, source=src)] + \
-            self.fetch_state(self.checkpoint_version(), now)
+            self.fetch_state(self.restore_point(), now)
 
     def _state_failed(self, src: NodeId) -> None:
         failed: set[NodeId] = getattr(self, "state_failed_from", set())
@@ -640,6 +656,8 @@ class MembershipMixin(CoreState):
         self.state_failed_from = failed
 
     def on_state_request(self, sender: NodeId, msg: StateRequest, now: float) -> list[Effect]:
+        if msg.checkpoint != NONE:
+            return self._checkpoint_request(sender, msg)
         if msg.stage != self.me.stage or not self.active:
             return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
         key = ("state", self.me.stage, self.version, self.me.id)
@@ -647,22 +665,55 @@ class MembershipMixin(CoreState):
         job = self.job("export_state", (sender, key, self.version))
         return [Compute(job, "export_state", self.me.stage, None, 0.0, (), (key,), size)]
 
+    def _checkpoint_request(self, sender: NodeId, msg: StateRequest) -> list[Effect]:
+        """A data holder answers a joiner with its copy of checkpoint `msg.checkpoint` of
+        `msg.stage` (read from disk by the driver; a missing or corrupt file fails the job,
+        which refuses the request: `core.on_compute_failed`)."""
+        if self.me.stage != 0 or not self.active or not 1 <= msg.stage < self.S or msg.checkpoint < 1:
+            return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
+        key = ("ckpt", msg.stage, msg.checkpoint, self.me.id)
+        size = self.train.stage_state_bytes[msg.stage]
+        job = self.job("read_checkpoint", (sender, key, msg.checkpoint))
+        return [Compute(job, "read_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+
+    def _keep_checkpoint(self, sender: NodeId, msg: StateTransfer) -> list[Effect]:
+        """A data holder receives a relay stage's checkpoint from one of its replicas: keep it."""
+        k, v = msg.stage, msg.version
+        info = self.directory.get(sender)
+        ok = (self.me.stage == 0 and msg.ok and info is not None and info.stage == k and 1 <= k < self.S
+              and v >= 1 and v % self.cfg.checkpoint_every == 0 and msg.key == ("ckpt", k, v, sender))
+        if not ok:
+            return [log("warning", "checkpoint_refused", sender=sender, stage=k, version=v)]
+        job = self.job("store_checkpoint", msg.key)
+        return [Compute(job, "store_checkpoint", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
+
     def on_state_transfer(self, sender: NodeId, msg: StateTransfer, now: float) -> list[Effect]:
+        if self.active and msg.key[:1] == ("ckpt",):
+            return self._keep_checkpoint(sender, msg)
         if self.active or msg.stage != self.me.stage or sender != self.state_source:
             return []
         self.state_source = ""
         if not msg.ok:
             self._state_failed(sender)
-            return self.fetch_state(self.checkpoint_version(), now)
+            return self.fetch_state(self.restore_point(), now)
+        out: list[Effect] = []
+        if msg.key[:1] == ("ckpt",):
+            out.append(record("checkpoint_fetched", node=self.me.id, stage=msg.stage, version=msg.version,
+                              source=sender))
         job = self.job("import_state", msg.version)
-        return [Compute(job, "import_state", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
+        return out + [Compute(job, "import_state", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
 
     def membership_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
-        if kind == "export_state":
+        if kind in ("export_state", "read_checkpoint"):
             to, key, version = ref
-            size = self.train.stage_state_bytes[self.me.stage]
-            return [self.send_booked(to, StateTransfer(stage=self.me.stage, version=version, key=key, size_bytes=size),
+            size = self.train.stage_state_bytes[key[1]]
+            return [self.send_booked(to, StateTransfer(stage=key[1], version=version, key=key, size_bytes=size),
                                      now)]
+        if kind == "export_checkpoint":
+            targets, key, version = ref
+            size = self.train.stage_state_bytes[key[1]]
+            msg = StateTransfer(stage=key[1], version=version, key=key, size_bytes=size)
+            return [self.send_booked(d, msg, now) for d in targets]
         if kind in ("import_state", "load_checkpoint"):
             if self.active or self.me.stage < 0:
                 return []
@@ -673,7 +724,7 @@ class MembershipMixin(CoreState):
 
     def state_failed(self, kind: str, now: float) -> list[Effect]:
         """Importing fetched state (or loading the checkpoint) failed: fetch again."""
-        return self.fetch_state(self.checkpoint_version(), now)
+        return self.fetch_state(self.restore_point(), now)
 
     def on_refetch(self, sender: NodeId, msg: Refetch, now: float) -> list[Effect]:
         if self.active:
@@ -682,7 +733,8 @@ class MembershipMixin(CoreState):
             return self.rejoin("reassigned", now)  # our stage was lost meanwhile: take it over
         self.state_tries = 0
         self.state_failed_from = set()
-        return self.fetch_state(self.checkpoint_version(), now)
+        self.restore_version = msg.iteration - msg.iteration % self.cfg.checkpoint_every
+        return self.fetch_state(self.restore_point(), now)
 
 
 def bottleneck_stage(utilisation: Sequence[float]) -> int:

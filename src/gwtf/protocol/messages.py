@@ -45,7 +45,10 @@ class Compute:
     (sum the input gradients in the given order, divide by `count`), "step" (optimizer step on
     the reduced gradient),
     "reset_grad" (discard accumulated gradients), "export_state" / "import_state" (weights +
-    optimizer state under a key), "load_checkpoint".
+    optimizer state under a key), "load_checkpoint" (this host's copy), "export_checkpoint"
+    (a replica: the checkpoint it just wrote, under a "ckpt" key, for the data holders),
+    "store_checkpoint" (a data holder: keep a received "ckpt" key on disk), "read_checkpoint"
+    (a data holder: its copy of a stage's checkpoint under a "ckpt" key, for a joiner).
     """
 
     job_id: int
@@ -315,14 +318,20 @@ class Welcome(Message):
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StateRequest(Message):
+    """A joiner asks a live replica of `stage` for its state; with `checkpoint` >= 1 it asks a
+    data holder for its copy of that checkpoint version of `stage` instead."""
+
     TYPE = "mem.sget"
     stage: int
+    checkpoint: int = NONE
 
 
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StateTransfer(_Tensor):
-    """Weights + optimizer state of `stage` at `version` (steps applied)."""
+    """Weights + optimizer state of `stage` at `version` (steps applied). Key ("state", stage,
+    version, source): a replica's live state; ("ckpt", stage, version, source): a checkpoint
+    (a replica sending it to a data holder to keep, or a data holder answering a joiner)."""
 
     TYPE = "mem.state"
     stage: int

@@ -1,7 +1,8 @@
 """The swarm's stage checkpoints on disk: hashed, fsynced, two versions kept, verified on load.
 
 Owns the layout of `DIR/checkpoints/stage<k>/` (one folder per stage; on one machine every node
-of a local swarm shares it, across machines each host keeps its own):
+of a local swarm shares it, across machines each host keeps its own, and a data holder's holds
+copies of every relay stage's, `protocol.checkpoint_replicate`):
 - `v<version>.safetensors`: the stage's state blob (weights + AdamW state, `StageWorker.state_blob`);
 - `v<version>.json`: its manifest `{"format", "stage", "version", "bytes", "sha256"}`.
 A version of a stage is *complete* when both files exist and the blob's size and sha256 match the
@@ -27,7 +28,8 @@ from pathlib import Path
 from gwtf.errors import UserError
 
 __all__ = [
-    "CHECKPOINTS_DIR", "CheckpointError", "fsync_dir", "newest_complete", "read_version", "resume_version",
+    "CHECKPOINTS_DIR", "CheckpointError", "fsync_dir", "keep_version", "newest_complete", "read_version",
+    "resume_version",
     "stage_dir",
     "verify_version", "versions", "write_version",
 ]
@@ -63,7 +65,7 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_durable(path: Path, data: bytes) -> None:
+def _write_durable(path: Path, data: bytes | memoryview) -> None:
     """Temp file in the same folder, fsync, atomic rename (the folder is fsynced by the caller)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as f:
@@ -85,7 +87,7 @@ def versions(ckpt_dir: Path, stage: int) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def write_version(ckpt_dir: Path, stage: int, version: int, blob: bytes) -> Path:
+def write_version(ckpt_dir: Path, stage: int, version: int, blob: bytes | memoryview) -> Path:
     """Write version `version` of `stage` durably, then delete all but it and the previous
     complete version. Returns the blob's path. Replicas writing the same version write the
     same bytes, so concurrent writers on one folder are harmless (atomic renames)."""
@@ -98,6 +100,22 @@ def write_version(ckpt_dir: Path, stage: int, version: int, blob: bytes) -> Path
     fsync_dir(data.parent)
     _prune(ckpt_dir, stage, version)
     return data
+
+
+def keep_version(ckpt_dir: Path, stage: int, version: int, blob: bytes | memoryview) -> bool:
+    """`write_version`, unless that version is already on disk with the blob's size and sha256
+    (a folder shared by the nodes of one host: the replicas wrote it). True when written."""
+    data, meta = _paths(ckpt_dir, stage, version)
+    digest = hashlib.sha256(blob).hexdigest()
+    try:
+        manifest = _manifest(meta, stage, version)
+        same = manifest["sha256"] == digest and data.stat().st_size == manifest["bytes"] == len(blob)
+    except (OSError, CheckpointError):
+        same = False
+    if same:
+        return False
+    write_version(ckpt_dir, stage, version, blob)
+    return True
 
 
 def _prune(ckpt_dir: Path, stage: int, newest: int) -> None:

@@ -6,7 +6,8 @@ contract of docs/protocol.md without any protocol logic:
   key is attached; incoming, the received array is stored under it;
 - a `Compute(kind, inputs, outputs)` runs the matching worker job on the named keys (embed,
   forward, loss, backward, embed_backward, export_grad, reduce, step, reset_grad, export_state,
-  import_state, load_checkpoint) and is answered with `core.on_compute_done(job_id, now)`;
+  import_state, load_checkpoint, export_checkpoint, store_checkpoint, read_checkpoint) and is
+  answered with `core.on_compute_done(job_id, now)`;
 - `FreeIteration(t)` drops every tensor whose key's iteration (key[2]) is <= t;
 - `reduce` sums the named gradients in the given (sorted replica) order and rescales the sum to
   the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`).
@@ -26,7 +27,10 @@ Checkpoints (for a stage whose every replica died, and for `--resume`): after ea
 version is a multiple of `protocol.checkpoint_every`, every replica writes the same bytes to
 `DIR/checkpoints/stage<k>/v<version>.safetensors` with a sha256 manifest, fsynced
 (`gwtf.runtime.checkpoints`; on one machine the folder is shared, across machines each host keeps
-its own). Version 0 is the seeded initial model. A bootstrap node started with `--resume` loads
+its own, `runtime.checkpoint_folder`). With `protocol.checkpoint_replicate` the data holders also
+keep a copy of every relay stage's (export_checkpoint / store_checkpoint), and serve it to a
+joiner of a lost stage (read_checkpoint; the joiner keeps it on its disk too). Version 0 is the
+seeded initial model. A bootstrap node started with `--resume` loads
 the newest version complete for every stage and starts its core there (`NodeCore.start_version`);
 every other node follows the leader's version through the ordinary join path.
 
@@ -120,12 +124,13 @@ class Host:
         self.device = device
         self.worker: StageWorker | None = None
         self.grad_counts: dict[Hashable, int] = {}
-        self.ckpt_dir = Path(ident.out_dir) / "checkpoints"
+        self.ckpt_dir = checkpoint_dir(cfg, ident)
         self._lock = threading.Lock()  # guards _wire and _inbox (loop and torch thread)
         self._wire: dict[Hashable, np.ndarray] = {}  # key -> what a send attaches (numpy)
         self._inbox: dict[Hashable, np.ndarray] = {}  # received, not yet in the worker's store
         self._arrivals = 0  # received tensors so far (a FreeIteration frees only those before it)
         self._arrived: dict[Hashable, int] = {}  # received key -> its arrival number
+        self._last_blob: tuple[int, int, np.ndarray] | None = None  # torch thread: the newest checkpoint written
         if ident.stage is not None:
             self.worker = self._make_worker(ident.stage)
 
@@ -257,6 +262,8 @@ class Host:
             w.drop_graphs_before(iteration)
         for k in [k for k in list(self.grad_counts) if _iteration_of(k) <= iteration]:
             self.grad_counts.pop(k, None)
+        if self._last_blob is not None and self._last_blob[1] <= iteration:
+            self._last_blob = None  # no export followed (a replica that sends no copy)
 
     def take_received(self) -> None:
         """Torch thread: move received arrays into the worker's store now (for a caller that
@@ -269,7 +276,7 @@ class Host:
         with self._lock:
             arrived, self._inbox = self._inbox, {}
         for key, arr in arrived.items():
-            if isinstance(key, tuple) and key and key[0] == "state":
+            if isinstance(key, tuple) and key and key[0] in ("state", "ckpt"):
                 w.store[key] = torch.from_numpy(arr)  # serialized state stays on the CPU, uncopied, until imported
             else:
                 w.put(key, arr)
@@ -327,14 +334,53 @@ class Host:
                 self._wire[outs[0]] = blob
             out.records.append(("state_exported", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
         elif kind == "import_state":
-            statefile.import_state(w, tensor_to_numpy(w.store[ins[0]]))
-            out.records.append(("state_imported", {"stage": w.stage, "version": ins[0][2], "hash": w.weights_hash()}))
+            out.records.append(self._import_state(w, ins[0]))
         elif kind == "load_checkpoint":
             self._load_checkpoint(w, outs[0])
             out.records.append(("state_loaded", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
+        elif kind in ("export_checkpoint", "store_checkpoint", "read_checkpoint"):
+            out.records.append(self._checkpoint_copy(w, eff))
         else:
             raise ValueError(f"unknown compute kind {kind!r}")
         return out
+
+    def _import_state(self, w: StageWorker, key: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+        """Install fetched state: a replica's live state ("state" key), or a data holder's copy
+        of a checkpoint ("ckpt" key), which is also kept on this host's disk, so the Rollback
+        that follows the restore of a lost stage reloads it here (several hosts)."""
+        arr = tensor_to_numpy(w.store.pop(key))
+        if key[0] == "ckpt":
+            w.load_state_blob(arr)
+            checkpoints.keep_version(self.ckpt_dir, w.stage, int(key[2]), memoryview(arr))
+        else:
+            statefile.import_state(w, arr)
+        return "state_imported", {"stage": w.stage, "version": key[2], "hash": w.weights_hash(),
+                                  "source": key[3], "checkpoint": key[0] == "ckpt"}
+
+    def _checkpoint_copy(self, w: StageWorker, eff: Compute) -> tuple[str, dict[str, Any]]:
+        """The data holders' copies of the relay stages' checkpoints (docs/runtime.md):
+        export_checkpoint (a replica: the blob it just wrote, under the "ckpt" key, for the
+        sends that follow), store_checkpoint (a data holder: a received one to its disk),
+        read_checkpoint (a data holder: its verified copy from disk, for a joiner)."""
+        key = (eff.outputs or eff.inputs)[0]
+        stage, version = int(key[1]), int(key[2])
+        fields: dict[str, Any] = {"stage": stage, "version": version}
+        if eff.kind == "store_checkpoint":
+            arr = tensor_to_numpy(w.store.pop(key))
+            with self._lock:
+                self._wire.pop(key, None)
+            fields.update(source=key[3], written=checkpoints.keep_version(self.ckpt_dir, stage, version,
+                                                                         memoryview(arr)))
+            return "checkpoint_stored", fields
+        if eff.kind == "export_checkpoint":
+            last = self._last_blob
+            blob = last[2] if last is not None and last[:2] == (stage, version) else w.state_blob()
+        else:
+            blob = np.frombuffer(checkpoints.read_version(self.ckpt_dir, stage, version), dtype=np.uint8)
+        self._last_blob = None
+        with self._lock:
+            self._wire[key] = blob  # only ever sent: its wire form is the buffer itself
+        return ("checkpoint_exported" if eff.kind == "export_checkpoint" else "checkpoint_served"), fields
 
     def compute_done(self, eff: Compute, result: ComputeResult, now: float) -> list[Any]:
         return list(self.core.on_compute_done(eff.job_id, now))
@@ -353,8 +399,13 @@ class Host:
                 "microbatches": self.grad_counts.get(key, 0)}
 
     def _save_checkpoint(self, w: StageWorker, version: int) -> None:
-        """Hashed and fsynced (`runtime.checkpoints`); the previous complete version is kept."""
-        checkpoints.write_version(self.ckpt_dir, w.stage, version, w.state_blob().tobytes())
+        """Hashed and fsynced (`runtime.checkpoints`); the previous complete version is kept.
+        A relay keeps the blob for the `export_checkpoint` job that follows this step when
+        the data holders keep copies (`protocol.checkpoint_replicate`)."""
+        blob = w.state_blob()
+        checkpoints.write_version(self.ckpt_dir, w.stage, version, memoryview(blob))
+        if w.stage > 0 and self.cfg.protocol.checkpoint_replicate:
+            self._last_blob = (w.stage, version, blob)
 
     def _load_checkpoint(self, w: StageWorker, key: Sequence[Any]) -> None:
         """Load version key[2] of this stage, verified (CheckpointError naming a bad file: a
@@ -373,6 +424,15 @@ class Host:
         if old is not None:
             w.store = old.store
         return w
+
+
+def checkpoint_dir(cfg: Config, ident: NodeIdentity) -> Path:
+    """This node's checkpoint folder (`runtime.checkpoint_folder`): DIR/checkpoints, or its own
+    DIR/nodes/<name>/checkpoints (a host of its own, as on several machines)."""
+    out = Path(ident.out_dir)
+    if cfg.runtime.checkpoint_folder == "per-node":
+        return out / "nodes" / ident.name / checkpoints.CHECKPOINTS_DIR
+    return out / checkpoints.CHECKPOINTS_DIR
 
 
 def _iteration_of(key: Hashable) -> float:

@@ -37,6 +37,9 @@ from gwtf.sim.metrics import Metrics
 from gwtf.sim.models import ComputeModel, LinkWindow, NetworkModel
 from gwtf.sim.scenario import Fault, ScenarioConfig, build
 
+DISK_JOBS = frozenset({"load_checkpoint", "read_checkpoint", "store_checkpoint"})
+"""Computes that read or write a checkpoint: charged their bytes at the disk's bandwidth."""
+
 
 @dataclass(frozen=True, slots=True)
 class System:
@@ -182,7 +185,7 @@ class Simulator:
             elif t is Compute:
                 if e.kind == "step":
                     self.pending_steps += 1
-                size = e.size_bytes if e.kind == "load_checkpoint" else 0
+                size = e.size_bytes if e.kind in DISK_JOBS else 0
                 start, end = self.compute.schedule(node, e.flops, size, now)
                 self.engine.schedule(end, self._compute_done, node, e, end - start)
             elif t is Record:

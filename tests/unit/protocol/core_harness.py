@@ -40,6 +40,7 @@ class Harness:
         self.records: list[tuple[float, str, str, dict[str, Any]]] = []
         self.drop: Callable[[str, str, Message], bool] = lambda src, dst, msg: False
         self.sent: list[tuple[str, str, Message]] = []
+        self.computes: list[tuple[str, Compute]] = []
 
     def _push(self, at: float, kind: str, *args: Any) -> None:
         self._seq += 1
@@ -61,6 +62,7 @@ class Harness:
             elif isinstance(e, CancelTimer):
                 self.timers.pop((node, e.key), None)
             elif isinstance(e, Compute):
+                self.computes.append((node, e))
                 start = max(self.now, self.busy.get(node, 0.0))
                 self.busy[node] = start + 0.1
                 self._push(start + 0.1, "compute", node, e.job_id)

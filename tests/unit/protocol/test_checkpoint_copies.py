@@ -1,0 +1,145 @@
+"""Data holders keep the newest checkpoint of every relay stage, and a joiner restoring a lost
+stage fetches it from one (docs/protocol.md, "Whole stage lost"): on several hosts the joiner's
+own disk has no copy of a stage it never served.
+
+Checked at the core boundary (the sends and computes NodeCore emits): at each checkpoint version
+the data holders are dealt over the stage's replicas, one copy each; a joiner of a lost stage
+asks a data holder (another one after a deadline or a refusal), and its own disk only when none
+has it; with `protocol.checkpoint_replicate = false` nothing of this is sent.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from core_harness import TRAIN, Harness, peers
+
+from gwtf.config import ProtocolConfig
+from gwtf.protocol import messages as m
+from gwtf.protocol.base import Send
+from gwtf.protocol.core import NodeCore
+from gwtf.protocol.router import PeerInfo
+
+EVERY = 2
+
+
+def _ckpt_sends(h: Harness) -> list[tuple[str, str, m.StateTransfer]]:
+    return [(src, dst, msg) for src, dst, msg in h.sent
+            if isinstance(msg, m.StateTransfer) and msg.key[:1] == ("ckpt",)]
+
+
+def _swarm(replicate: bool = True, iterations: int = 5) -> Harness:
+    cfg = ProtocolConfig(checkpoint_every=EVERY, checkpoint_replicate=replicate)
+    h = Harness(peers((2, 2, 1)), replace(TRAIN, iterations=iterations), cfg=cfg)
+    h.start()
+    return h
+
+
+def test_each_data_holder_gets_one_copy_of_every_relay_stage_per_checkpoint() -> None:
+    h = _swarm()
+    h.run(60.0, stop=lambda: bool(h.events("training_done")))
+    assert h.events("training_done"), "the swarm did not finish"
+    got = sorted((dst, msg.stage, msg.version, src) for src, dst, msg in _ckpt_sends(h))
+    # stage 1 (a0, a1) deals d0 to a0 and d1 to a1; stage 2 has b0 only, which sends both
+    expected = sorted((d, k, v, src) for v in (2, 4)
+                      for d, k, src in (("d0", 1, "a0"), ("d1", 1, "a1"), ("d0", 2, "b0"), ("d1", 2, "b0")))
+    assert got == expected
+    assert all(msg.key == ("ckpt", msg.stage, msg.version, src) and msg.size_bytes == TRAIN.stage_state_bytes[2]
+               for src, _, msg in _ckpt_sends(h))
+    stored = sorted((n, c.inputs[0]) for n, c in h.computes if c.kind == "store_checkpoint")
+    assert stored == sorted((dst, msg.key) for _, dst, msg in _ckpt_sends(h))
+    for node in ("a0", "a1", "b0"):  # each export right after the step that made its version (FIFO)
+        kinds = [c.kind for n, c in h.computes if n == node]
+        at = [i for i, k in enumerate(kinds) if k == "export_checkpoint"]
+        assert len(at) == 2 and all(kinds[i - 1] == "step" for i in at), kinds
+
+
+def test_no_copies_when_replication_is_off() -> None:
+    h = _swarm(replicate=False)
+    h.run(60.0, stop=lambda: bool(h.events("training_done")))
+    assert h.events("training_done")
+    assert _ckpt_sends(h) == []
+    assert not [c for _, c in h.computes if c.kind in ("export_checkpoint", "store_checkpoint")]
+
+
+def test_a_joiner_of_a_lost_stage_restores_it_from_a_data_holder() -> None:
+    h = _swarm(iterations=8)
+    h.run(60.0, stop=lambda: any(f["iteration"] == 3 for f in h.events("iteration_done")))
+    h.crash("b0")  # the only replica of stage 2: the stage is lost after checkpoint 2 (or 4)
+    h.run(h.now + 30.0, stop=lambda: bool(h.events("stage_lost")))
+    assert h.events("stage_lost")
+    # d0 never answers a checkpoint request: the joiner asks d1 after the state deadline
+    h.drop = lambda src, dst, msg: dst == "d0" and isinstance(msg, m.StateRequest)
+    joiner = NodeCore(PeerInfo(id="j", stage=-1, region="r", compute_s=0.1, capacity=4), h.cfg, h.train,
+                      random.Random(1))
+    h.cores["j"] = joiner
+    h.apply("j", joiner.on_start(h.now, [PeerInfo(id="d1", stage=-1, region="r", compute_s=0.1, capacity=1)]))
+    h.run(h.now + 120.0, stop=lambda: bool(h.events("training_done")))
+    assert h.events("training_done"), "the swarm did not go on after the restore"
+    asks = [(dst, msg) for src, dst, msg in h.sent if src == "j" and isinstance(msg, m.StateRequest)]
+    version = h.events("stage_lost")[0]["iteration"] // EVERY * EVERY
+    assert [(d, a.stage, a.checkpoint) for d, a in asks] == [("d0", 2, version), ("d1", 2, version)]
+    assert h.events("checkpoint_fetched") == [{"node": "j", "stage": 2, "version": version, "source": "d1"}]
+    assert [c.outputs for n, c in h.computes if c.kind == "read_checkpoint"] == [(("ckpt", 2, version, "d1"),)]
+    mine = [c.kind for n, c in h.computes if n == "j"]
+    assert mine[0] == "import_state", mine  # the data holder's copy, not the joiner's own disk
+    rollbacks = [f for f in h.events("rollback") if f["lost_iterations"] >= 0]
+    assert rollbacks and rollbacks[-1]["version"] == version
+
+
+def _welcomed_joiner(replicate: bool, checkpoint: int) -> tuple[NodeCore, list[object]]:
+    """A joiner that was just welcomed to stage 2, which has no replica (d0 and d1 are members)."""
+    cfg = ProtocolConfig(checkpoint_every=EVERY, checkpoint_replicate=replicate)
+    j = NodeCore(PeerInfo(id="j", stage=-1, region="r", compute_s=0.1, capacity=4), cfg, TRAIN, random.Random(1))
+    j.on_start(0.0, [PeerInfo(id="d0", stage=-1, region="r", compute_s=0.1, capacity=1)])
+    members = (("d0", 0, "r", 0.1, 4, 2), ("d1", 0, "r", 0.1, 4, 2), ("a0", 1, "r", 0.1, 4, 0))
+    welcome = m.Welcome(term=0, stage=2, members=members, utilisation=(1.0, 1.0, 1e9), iteration=3,
+                        checkpoint_iteration=checkpoint)
+    return j, j.on_message("d0", welcome, 0.1)
+
+
+def _asked(out: list[object]) -> list[tuple[str, int, int]]:
+    return [(e.to, e.msg.stage, e.msg.checkpoint) for e in out
+            if isinstance(e, Send) and isinstance(e.msg, m.StateRequest)]
+
+
+def _loads(out: list[object]) -> list[m.Compute]:
+    return [e for e in out if isinstance(e, m.Compute) and e.kind == "load_checkpoint"]
+
+
+def test_every_data_holder_refusing_leaves_the_joiner_its_own_disk() -> None:
+    j, out = _welcomed_joiner(True, 2)
+    assert _asked(out) == [("d0", 2, 2)] and not _loads(out)
+    refusal = m.StateTransfer(stage=2, version=-1, key=(), ok=False)
+    out = j.on_message("d0", refusal, 0.2)
+    assert _asked(out) == [("d1", 2, 2)] and not _loads(out)
+    out = j.on_message("d1", refusal, 0.3)
+    assert _asked(out) == [] and [c.outputs for c in _loads(out)] == [(("state", 2, 2, "checkpoint"),)]
+
+
+def test_without_replication_or_at_version_0_the_joiner_loads_its_own_disk() -> None:
+    for replicate, version in ((False, 2), (True, 0)):
+        _, out = _welcomed_joiner(replicate, version)
+        assert _asked(out) == [] and len(_loads(out)) == 1, (replicate, version)
+
+
+def test_a_data_holder_answers_a_checkpoint_request_from_disk_and_refuses_when_it_cannot() -> None:
+    h = _swarm(iterations=50)
+    h.run(1.0)
+    dh = h.cores["d1"]
+    out = dh.on_message("j", m.StateRequest(stage=2, checkpoint=2), h.now)
+    (read,) = [e for e in out if isinstance(e, m.Compute)]
+    assert read.kind == "read_checkpoint" and read.stage == 0 and read.outputs == (("ckpt", 2, 2, "d1"),)
+    (sent,) = [e.msg for e in dh.on_compute_done(read.job_id, h.now) if isinstance(e, Send) and e.to == "j"]
+    assert isinstance(sent, m.StateTransfer) and sent.ok and sent.key == ("ckpt", 2, 2, "d1")
+    assert sent.version == 2 and sent.size_bytes == TRAIN.stage_state_bytes[2]
+    out = dh.on_message("j", m.StateRequest(stage=2, checkpoint=2), h.now)
+    (read,) = [e for e in out if isinstance(e, m.Compute)]
+    failed = dh.on_compute_failed(read.job_id, "CheckpointError: v2.json: manifest missing", h.now)
+    assert dh.alive, "a missing copy must not stop the data holder"
+    assert [e.msg.ok for e in failed if isinstance(e, Send) and e.to == "j"] == [False]
+    relay = h.cores["a0"]  # a relay holds no copies of other stages: it refuses
+    (no,) = [e.msg for e in relay.on_message("j", m.StateRequest(stage=2, checkpoint=2), h.now)
+             if isinstance(e, Send)]
+    assert isinstance(no, m.StateTransfer) and not no.ok
