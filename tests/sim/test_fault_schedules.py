@@ -44,7 +44,7 @@ def test_a_collect_that_overtakes_its_iterstart_is_answered_for_the_new_iteratio
     assert summary["iterations"] == 4
 
 
-@pytest.mark.parametrize("seed", [20100, 20261, 21033, 21410])
+@pytest.mark.parametrize("seed", [20100, 20261, 21033, 21410, 501556, 501926])
 def test_fresh_long_mode_seeds_that_failed_before_the_join_and_commit_fixes(seed: int) -> None:
     """Long-mode seeds found by this checker (which excuses an unfinished run only when no data
     holder, or no node for a lost stage, is left):
@@ -52,7 +52,11 @@ def test_fresh_long_mode_seeds_that_failed_before_the_join_and_commit_fixes(seed
     - 21033: two joiners pending at stage 2 when stage 3 was lost: nobody took stage 3 over;
     - 20261: a joiner sent to the lost stage was also activated at its old stage (Ready in flight);
     - 21410: a joiner whose Ready was waiting for the next iteration when its stage was lost was
-      never activated (a paused swarm starts no iteration)."""
+      never activated (a paused swarm starts no iteration);
+    - 501556: a joiner activated during an iteration lost the gradient share of a new leader's
+      round that came before the leader's IterStart (which reset its shares);
+    - 501926: a backward Redo from before a rollback that restarted iteration 0 turned the data
+      holder's new forward (same microbatch id) into a chain to a dead cache, for good."""
     summary, _ = run_scenario(load_scenario(None, random_schedule(seed)), seed)
     assert summary["invariant_violations"] == 0, summary["violations"][:3]
     assert summary["finished"], summary["stop_reason"]

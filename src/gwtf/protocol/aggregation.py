@@ -170,11 +170,14 @@ class AggregationMixin(CoreState):
         self.dh_reported_done = False
         if msg.iteration != self.iteration:
             self._clear_iteration()
+            # (a joiner activated during this iteration sees its first IterStart for it only
+            # from a new leader's recovery; a gradient share of the new round that came first
+            # must survive it: faultgen seed 501556 waited for that share for good)
+            self.commit: Commit | None = None
+            self.shares: dict[int, set[NodeId]] = {}
+            self.have_round = NONE
         self.iteration = msg.iteration
         self.reported = False
-        self.commit: Commit | None = None
-        self.shares: dict[int, set[NodeId]] = {}
-        self.have_round = NONE
         out: list[Effect] = [record("iter_seen", node=self.me.id, iteration=msg.iteration)]
         if self.me.stage == 0:
             out += self.dh_start_iteration(now)  # type: ignore[attr-defined]
@@ -382,6 +385,9 @@ class AggregationMixin(CoreState):
         self.version = msg.version
         self.iteration = msg.version
         self.started_iter = NONE
+        self.commit = None  # the rolled-back iterations' rounds are void (IterStart keeps them
+        self.shares = {}  # when the iteration number does not change)
+        self.have_round = NONE
         if not self.active:
             return []
         job = self.job("load_checkpoint", msg.version)

@@ -392,6 +392,12 @@ class TrainingMixin(CoreState):
             rec = self.legs.get(msg.legs[msg.start - 1]) if len(msg.legs) >= msg.start else None
         if rec is None:
             return [log("warning", "redo_without_cache", mb=msg.mb, start=msg.start)]
+        if isinstance(rec, Origin) and not msg.agg and rec.phase in ("embed", "out", "got", "passed", "parked"):
+            # a backward redo comes only after our loss started the backward: this one is from
+            # before a rollback that restarted the iteration (a data holder's microbatch ids
+            # repeat then); taken, it turned the new forward into a chain to a dead gradient
+            # cache, for good (faultgen seed 501926)
+            return [log("info", "stale_redo", mb=msg.mb, start=msg.start, phase=rec.phase)]
         out: list[Effect] = [self.send(sender, RedoAck(mb=msg.mb, start=msg.start))]
         if rec.phase in ("out", "got"):
             out.append(self.cancel(("ackf", rec.n if isinstance(rec, Leg) else rec.mb)))
