@@ -312,12 +312,16 @@ class Swarm:
         return sum(1 for name in self.joiners if served(self.metrics.records.get(name, [])))
 
     def kill_random_relay(self) -> NodeProcess | None:
-        """kill -9 a relay whose stage keeps at least one other live, active replica (a joiner that
-        is not active yet does not count: killing the last active replica would lose the stage)."""
+        """kill -9 a relay that serves (it has contributed microbatches) and whose stage keeps at
+        least one other live, active replica (a joiner that is not active yet does not count:
+        killing the last active replica would lose the stage; one that has not served yet is
+        not a victim: a churn that kills joiners before they serve shows nothing)."""
         live = [p for p in self.group.live() if p.plan.role == "relay" and p.ready is not None]
         stage_of = {p.name: self.stage_of(p) for p in live}
-        active = [p for p in live if (read_status(p.dir / STATUS_FILE) or {}).get("state") == "active"]
-        victims = [p for p in active if sum(1 for q in active if stage_of[q.name] == stage_of[p.name]) >= 2]
+        status = {p.name: read_status(p.dir / STATUS_FILE) or {} for p in live}
+        active = [p for p in live if status[p.name].get("state") == "active"]
+        victims = [p for p in active if int(status[p.name].get("microbatches") or 0) > 0
+                   and sum(1 for q in active if stage_of[q.name] == stage_of[p.name]) >= 2]
         if not victims:
             return None
         victim = self.rng.choice(sorted(victims, key=lambda p: p.name))
