@@ -203,7 +203,7 @@ def test_a_lost_stage_is_restored_from_a_data_holders_copy_when_every_node_has_i
         imported = [r for n, r in _events(swarm, "state_imported") if n == joiner.name]
         assert imported and imported[0]["checkpoint"] and imported[0]["version"] == version, imported
         assert not [r for n, r in _events(swarm, "compute_failed") if n == joiner.name]
-        rollbacks = [r for _, r in _events(swarm, "rollback") if r["lost_iterations"] > 0]
+        rollbacks = [r for _, r in _events(swarm, "rollback") if r["lost_from"] > 0]
         assert rollbacks and rollbacks[-1]["version"] == version, rollbacks
         assert swarm.stage_of(joiner) == 2, swarm.log_tails()
         assert checkpoints.verify_version(nodes / joiner.name / "checkpoints", 2, version) is None
