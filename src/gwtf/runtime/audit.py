@@ -137,7 +137,7 @@ def audit_ledger(
                 # (a stage whose last replica died right after this step, before its driver
                 # logged it, and was restored from this very step's checkpoint is accounted for)
                 problems.append(f"iteration {it} stage {stage}: no replica logged its step")
-            elif len(set(step_hashes.values())) != 1:
+            elif step_hashes and len(set(step_hashes.values())) != 1:
                 problems.append(f"iteration {it} stage {stage}: replicas diverged {dict(step_hashes)}")
             totals["expected"] += len(expected)
     problems += [f"invariant: {v}" for v in replay_invariants(records, stages, run_iterations)]
