@@ -149,6 +149,19 @@ def test_leader_and_relay_killed_at_once(tmp_path: Path) -> None:
         assert terms[0] == 0 and terms[-1] >= 1, terms  # a new term was elected
 
 
+def _lose_stage_2_then_refill(swarm: Swarm) -> NodeProcess:
+    """kill -9 both replicas of stage 2, wait for the leader to pause, start a joiner, wait until
+    it serves and run 5 more iterations; returns the joiner."""
+    for name in ("r2a", "r2b"):
+        swarm.group.kill(next(p for p in swarm.group.procs if p.name == name))
+    _until(swarm, lambda: any(r["stages"] == [2] for _, r in _events(swarm, "stage_lost")), 30.0,
+           "the leader's stage_lost")
+    joiner = swarm.join_node()
+    _until(swarm, lambda: _served(swarm, joiner.name), 60.0, "the joiner serving")
+    _run_on(swarm, 5, 60.0)
+    return joiner
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_a_lost_stage_is_restored_from_the_checkpoint_by_a_later_joiner(tmp_path: Path) -> None:
@@ -156,13 +169,7 @@ def test_a_lost_stage_is_restored_from_the_checkpoint_by_a_later_joiner(tmp_path
     with swarm:
         swarm.start()
         assert swarm.run_until(6, 60.0), swarm.log_tails()  # checkpoint v5 is on disk
-        for name in ("r2a", "r2b"):
-            swarm.group.kill(next(p for p in swarm.group.procs if p.name == name))
-        _until(swarm, lambda: any(r["stages"] == [2] for _, r in _events(swarm, "stage_lost")), 30.0,
-               "the leader's stage_lost")
-        joiner = swarm.join_node()
-        _until(swarm, lambda: _served(swarm, joiner.name), 60.0, "the joiner serving")
-        _run_on(swarm, 5, 60.0)
+        joiner = _lose_stage_2_then_refill(swarm)
         # (lost_from 0 is the fresh swarm's start; a stage lost right at a checkpoint loses 0 iterations)
         rollbacks = [r for _, r in _events(swarm, "rollback") if r["lost_from"] > 0]
         assert rollbacks and rollbacks[-1]["version"] % 5 == 0, rollbacks
@@ -189,13 +196,7 @@ def test_a_lost_stage_is_restored_from_a_data_holders_copy_when_every_node_has_i
         assert swarm.run_until(6, 60.0), swarm.log_tails()
         _until(swarm, lambda: stored(5) == {"dh0", "dh1"}, 30.0, "both data holders keeping stage 2's v5")
         assert all(r["written"] for n, r in _events(swarm, "checkpoint_stored"))  # their own disks, not shared
-        for name in ("r2a", "r2b"):
-            swarm.group.kill(next(p for p in swarm.group.procs if p.name == name))
-        _until(swarm, lambda: any(r["stages"] == [2] for _, r in _events(swarm, "stage_lost")), 30.0,
-               "the leader's stage_lost")
-        joiner = swarm.join_node()
-        _until(swarm, lambda: _served(swarm, joiner.name), 60.0, "the joiner serving")
-        _run_on(swarm, 5, 60.0)
+        joiner = _lose_stage_2_then_refill(swarm)
         fetched = [r for n, r in _events(swarm, "checkpoint_fetched") if n == joiner.name]
         assert len(fetched) == 1 and fetched[0]["stage"] == 2, fetched
         version = int(fetched[0]["version"])
