@@ -72,6 +72,7 @@ class NodeIdentity:
     device: str
     out_dir: Path
     resume: bool = False  # --resume: a bootstrap node continues from the newest complete checkpoint
+    key_file: Path | None = None  # --key-file: the static key; None = KEY_FILE in the node's folder
 
 
 def make_node_id(name: str, region: str, addr: str) -> NodeId:
