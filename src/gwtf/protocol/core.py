@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 from gwtf.config import FlowConfig, ProtocolConfig
@@ -35,7 +36,7 @@ from gwtf.protocol.simple_router import GreedyRouter
 from gwtf.protocol.training import TrainingMixin
 from gwtf.protocol.view import Roster
 
-__all__ = ["NodeCore", "Policy", "TrainParams", "make_router"]
+__all__ = ["NodeCore", "Policy", "SENDERS", "Sender", "TrainParams", "make_router"]
 
 HANDLERS: dict[str, str] = {
     "train.fwd": "on_forward", "train.got": "on_got", "train.passed": "on_passed", "train.bwd": "on_backward",
@@ -57,6 +58,45 @@ FROM_LEADER: tuple[type, ...] = (m.IterStart, m.Collect, m.Commit, m.Step, m.Res
 """Control messages only the current term's leader may send (and `rebalance.StageMove`)."""
 TO_LEADER: tuple[type, ...] = (m.Report, m.Have, m.Heartbeat)
 """Messages to the leader that carry the sender's term (a newer one deposes the receiver)."""
+
+
+
+class Sender(StrEnum):
+    """Who may send a message type (`SENDERS`); `NodeCore.authorized` checks it before any
+    handler runs, in both drivers. A member is a node in my directory (or my leader); a joiner
+    not yet active accepts its contact's word, since it has no directory yet."""
+
+    LEADER = "the current term's leader"  # and the term fence (`MembershipMixin.fence`)
+    MEMBER = "a member"
+    NEIGHBOUR = "a member of an adjacent stage"
+    REPLICA = "a member of my stage"
+    ANYONE = "any authenticated peer"  # the handler checks who it is (a joiner, a state source)
+
+
+SENDERS: dict[str, Sender] = {
+    # control: the current term's leader only (the fence also checks the term)
+    **dict.fromkeys(("agg.start", "agg.collect", "agg.commit", "agg.step", "agg.reset", "agg.rollback",
+                     "mem.refetch", "mem.up", "mem.down", "mem.evicted", "mem.welcome", "mem.hback",
+                     "mem.probe", "mem.move"), Sender.LEADER),
+    # to the leader, or between members
+    **dict.fromkeys(("agg.report", "agg.have", "mem.suspect", "mem.leave", "mem.term", "mem.vote"),
+                    Sender.MEMBER),
+    # the data plane: activations and gradients come from the stage before or after mine
+    **dict.fromkeys(("train.fwd", "train.bwd"), Sender.NEIGHBOUR),
+    # acks from the next or previous hop
+    **dict.fromkeys(("train.got", "train.passed", "train.back"), Sender.MEMBER),
+    # recovery jumps stages (a relay's directory keeps only its own and adjacent stages): the
+    # handler checks each against the microbatch's own record (path, cache, redo start)
+    **dict.fromkeys(("train.redo", "train.redoack", "train.gget"), Sender.ANYONE),
+    "agg.grad": Sender.REPLICA,  # gradient shares: replicas of my stage
+    # joiners, and messages whose handler checks the sender itself
+    **dict.fromkeys(("mem.join", "mem.sget", "mem.ready", "mem.hb", "mem.state"), Sender.ANYONE),
+    # a new member's adverts may arrive before its MemberUp: the router keeps a bounded few
+    "flow.advert": Sender.ANYONE,
+}
+"""Every message type a core handles and who may send it; "flow." and "swarm." router
+messages are `ROUTER_SENDER` (tests/unit/protocol/test_authorization.py checks it is complete)."""
+ROUTER_SENDER = Sender.MEMBER
 
 _ROUTER = object()  # dispatch marks: the router's message, or a message nobody handles
 _UNKNOWN = object()
@@ -204,8 +244,31 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         super().__init_subclass__(**kwargs)
         cls._dispatch = {}
         cls._fences = {}
+        cls._senders = {}
 
     _fences: dict[type, int] = {}  # per concrete class: message class -> 0 none, 1 from a leader, 2 to one
+
+    _senders: dict[type, Sender | None] = {}  # per concrete class: message class -> who may send it
+
+    @classmethod
+    def _sender_rule(cls, mcls: type) -> Sender | None:
+        t = getattr(mcls, "TYPE", "")
+        if t in SENDERS:
+            return SENDERS[t]
+        return ROUTER_SENDER if t.startswith(("flow.", "swarm.")) else None
+
+    def authorized(self, sender: NodeId, rule: Sender | None) -> bool:
+        """May `sender` send a message of `rule`'s kind to me now? (`SENDERS`)"""
+        if rule is None or rule is Sender.ANYONE or rule is Sender.LEADER or sender == self.me.id:
+            return True  # LEADER: the fence decides, with the term
+        info = self.directory.get(sender)
+        if info is None:
+            return sender == self.leader or not self.active
+        if rule is Sender.MEMBER or not self.active:
+            return True
+        if rule is Sender.REPLICA:
+            return info.stage == self.me.stage
+        return info.stage in ((self.me.stage - 1) % self.S, (self.me.stage + 1) % self.S)
 
     @classmethod
     def _fence_kind(cls, mcls: type) -> int:
@@ -233,6 +296,13 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             if info is not None and self.in_view(info):
                 out += list(self.router.on_peer_up(info, self.link(sender), now))
         mcls = type(msg)
+        try:
+            rule = self._senders[mcls]
+        except KeyError:
+            rule = self._senders[mcls] = self._sender_rule(mcls)
+        if not self.authorized(sender, rule):
+            return out + [record("unauthorized", node=self.me.id, sender=sender, type=msg.TYPE,
+                                 allowed=str(rule))]
         fence = self._fences.get(mcls)
         if fence is None:
             fence = self._fences[mcls] = self._fence_kind(mcls)

@@ -290,6 +290,9 @@ class MembershipMixin(CoreState):
         older term is refused and answered; a newer one deposes this node."""
         if sender == self.me.id:
             return True, []
+        if term > self.term and self.active and sender not in self.directory:
+            # only a member's word raises the term: a stranger (or an evicted node) cannot depose
+            return False, [record("unauthorized", node=self.me.id, sender=sender, type="term", allowed="a member")]
         if term < self.term:
             return False, [log("info", "stale_term_refused", sender=sender, term=term, current=self.term),
                            self.send(sender, TermNotice(term=self.term, leader=self.leader))]
