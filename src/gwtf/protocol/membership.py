@@ -85,6 +85,7 @@ class MembershipMixin(CoreState):
         self.contact: NodeId = members[0].id if self.me.stage < 0 and members else ""
         self.state_source: NodeId = ""  # joiner: the replica a StateRequest went to
         self.state_tries = 0
+        self.state_failed_from: set[NodeId] = set()  # joiner: sources that refused or failed it
         self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / max(self.me.compute_s, 1e-9)
         out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
         if self.me.stage < 0:
@@ -622,7 +623,7 @@ class MembershipMixin(CoreState):
         """Ask a live replica of our stage for its state (with a deadline: a source that dies
         or stalls is replaced by another, `on_state_timer`), or load the stage's checkpoint
         when it has no replica (or every replica failed us STATE_TRIES times)."""
-        failed: set[NodeId] = getattr(self, "state_failed_from", set())
+        failed = self.state_failed_from
         replicas = sorted(p for p, info in self.directory.items()
                           if info.stage == self.me.stage and p != self.me.id and p not in failed)
         size = self.train.stage_state_bytes[self.me.stage]
@@ -654,9 +655,7 @@ class MembershipMixin(CoreState):
             self.fetch_state(self.restore_point(), now)
 
     def _state_failed(self, src: NodeId) -> None:
-        failed: set[NodeId] = getattr(self, "state_failed_from", set())
-        failed.add(src)
-        self.state_failed_from = failed
+        self.state_failed_from.add(src)
 
     def on_state_request(self, sender: NodeId, msg: StateRequest, now: float) -> list[Effect]:
         if msg.checkpoint != NONE:
