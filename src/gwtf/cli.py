@@ -3,7 +3,9 @@
 Owns: argument parsing and the mapping of user errors to one line on stderr + exit code 2.
 Each subcommand lives in `gwtf.commands.<name>` with two functions:
 `add_arguments(parser)` and `run(args) -> int`. The CLI stays thin: algorithm knobs are config
-fields (`--config FILE`, `--set section.key=value`), not flags.
+fields (`--config FILE`, `--set section.key=value`), not flags. Also the flags shared by several
+commands: the config pair, and `--secret-file` of every command that starts nodes (checked before
+any process starts: `apply_secret_file`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ import argparse
 import importlib
 import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gwtf import __version__
 from gwtf.errors import UserError
+
+if TYPE_CHECKING:
+    from gwtf.config import Config
 
 # name -> one-line help. Order is the order shown in `gwtf --help`.
 COMMANDS: dict[str, str] = {
@@ -26,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "run a geo-distributed churn scenario in the discrete-event simulator",
     "node": "run one node process (relay or data holder) over TCP",
     "swarm": "start a local swarm of node processes on loopback",
+    "secret": "create a swarm secret file (gwtf secret new PATH)",
 }
 
 
@@ -59,6 +67,31 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
         help="override one config value (repeatable), e.g. --set train.lr=3e-4",
     )
+
+
+def add_secret_argument(parser: argparse.ArgumentParser) -> None:
+    """`--secret-file PATH` of every command that starts nodes (= runtime.secret_file)."""
+    parser.add_argument(
+        "--secret-file", metavar="PATH",
+        help="swarm secret (write one with `gwtf secret new PATH`); default: runtime.secret_file, else "
+             "$GWTF_SWARM_SECRET, else a public development secret, accepted on loopback addresses only",
+    )
+
+
+def apply_secret_file(cfg: Config, secret_file: str | None, hosts: Iterable[str]) -> Config:
+    """`cfg` with runtime.secret_file set to `--secret-file`'s absolute path (if given), after
+    checking that the secret the nodes will load is usable for `hosts` (the listen and join
+    hosts involved). Raises UserError (one line) for a missing, unreadable, empty or weak secret,
+    or for no secret with a non-loopback host, before any node process starts."""
+    import dataclasses
+
+    from gwtf.runtime import keys
+
+    if secret_file:
+        path = str(Path(secret_file).expanduser().absolute())
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, secret_file=path))
+    keys.load_secret(cfg.runtime.secret_file or None, hosts=list(hosts))
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -243,7 +243,7 @@ def test_node_command_user_errors_are_one_line_exit_2(tmp_path: Path, args: list
     config = Path(__file__).resolve().parents[2] / "configs" / "swarm-test.toml"
     proc = subprocess.run(
         [sys.executable, "-m", "gwtf", "node", "--out", str(tmp_path), "--config", str(config), *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "GWTF_SWARM_SECRET": "x"},
+        capture_output=True, text=True, timeout=60, env={**os.environ, "GWTF_SWARM_SECRET": "0123456789abcdef" * 2},
     )
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("gwtf: error:")]

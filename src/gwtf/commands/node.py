@@ -1,8 +1,10 @@
 """`gwtf node`: run one node process (data holder or relay) over TCP.
 
 Owns the command's flags: process identity only (listen/join addresses, role, stage, region, data
-shard, device, output folder, name); every algorithm knob is a config field (`--config`, `--set`).
-The node itself is `gwtf.runtime.node`. Prints one `READY {json}` line when it serves.
+shard, device, output folder, name, swarm secret and static key files); every algorithm knob is a
+config field (`--config`, `--set`). A secret or key file that would not do (docs/security.md) is
+refused here, in one line, before torch is imported. The node itself is `gwtf.runtime.node`.
+Prints one `READY {json}` line when it serves.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import re
 import secrets
 from pathlib import Path
 
-from gwtf.cli import add_config_arguments
+from gwtf.cli import add_config_arguments, add_secret_argument, apply_secret_file
 from gwtf.config import Config, load_config
 from gwtf.errors import UserError
 
@@ -36,7 +38,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue a stopped swarm: the first node (no --join) starts from the newest "
                              "checkpoint in DIR/checkpoints complete for all stages; others follow it")
+    parser.add_argument("--key-file", metavar="PATH",
+                        help="the node's static key (created, mode 0600, if missing; default: "
+                             "DIR/nodes/<name>/node.key); its fingerprint is part of the node id")
+    add_secret_argument(parser)
     add_config_arguments(parser)
+
+
+def _hosts(listen: str, join: str | None) -> list[str]:
+    """The hosts of --listen and --join (UserError naming the flag if one is malformed)."""
+    from gwtf.runtime.transport import parse_addr
+
+    hosts = []
+    any_port = listen[:-2] + ":1" if listen.endswith(":0") else listen  # port 0 = any free port
+    for flag, addr in (("--listen", any_port), ("--join", join)):
+        if addr:
+            try:
+                hosts.append(parse_addr(addr)[0])
+            except ValueError as exc:
+                raise UserError(f"{flag}: {exc}") from None
+    return hosts
 
 
 def _stage(text: str) -> int | None:
@@ -51,17 +72,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f'runtime.wan="{args.wan}"'] if args.wan else [])
     cfg: Config = load_config(args.config, overrides)
     from gwtf.runtime.chaos import parse_fault
-    from gwtf.runtime.transport import parse_addr
 
     parse_fault(cfg.runtime.fault)  # a malformed fault spec is a user error before anything starts
-
-    for flag, addr in (("--listen", args.listen.replace(":0", ":1") if args.listen.endswith(":0") else args.listen),
-                       ("--join", args.join)):
-        if addr:
-            try:
-                parse_addr(addr)
-            except ValueError as exc:
-                raise UserError(f"{flag}: {exc}") from None
+    cfg = apply_secret_file(cfg, args.secret_file, _hosts(args.listen, args.join))
     name = args.name or f"n{secrets.token_hex(3)}"
     if not _NAME.match(name):
         raise UserError(f"--name {name!r}: use 1-40 letters, digits, '_', '.', '-'")
@@ -83,13 +96,25 @@ def run(args: argparse.Namespace) -> int:
         if args.region not in net.regions:
             raise UserError(f"--region {args.region!r} is not in network {cfg.runtime.wan} ({', '.join(net.regions)})")
     _check_out(Path(args.out), name, args.join is None, args.resume, cfg)
+    key_file = _check_key(args.key_file, Path(args.out), name)
     from gwtf.runtime.node import NodeIdentity, run_node  # torch only once we really run
 
     ident = NodeIdentity(
         name=name, role=args.role, stage=stage, region=args.region, shard=shard, listen=args.listen,
-        join=args.join, device=args.device, out_dir=Path(args.out), resume=args.resume,
+        join=args.join, device=args.device, out_dir=Path(args.out), resume=args.resume, key_file=key_file,
     )
     return run_node(cfg, ident)
+
+
+def _check_key(key_file: str | None, out: Path, name: str) -> Path | None:
+    """`--key-file` (created if missing) or an existing key in the node's folder must be a
+    well-formed key readable by its owner only (UserError otherwise); returns --key-file's path."""
+    from gwtf.runtime import keys
+
+    path = Path(key_file).expanduser().absolute() if key_file else out / "nodes" / name / keys.KEY_FILE
+    if key_file or path.exists():
+        keys.load_or_create_key(path)
+    return path if key_file else None
 
 
 def _check_out(out: Path, name: str, bootstrap: bool, resume: bool, cfg: Config) -> None:

@@ -1,9 +1,10 @@
 """`gwtf swarm`: a local swarm of node processes on loopback, with churn and a live table.
 
 Owns the command's flags (output folder, replicas per relay stage, churn level, WAN emulation,
-iterations, overall timeout) and the display loop: a live rich table on a terminal, one progress
-line every few seconds otherwise (and a line whenever a stage is left without an active node:
-"stalled: stage K has no node"). The processes, churn and metrics are `gwtf.runtime.swarm`.
+iterations, overall timeout, swarm secret file: checked before any node starts, passed to each)
+and the display loop: a live rich table on a terminal, one progress line every few seconds
+otherwise (and a line whenever a stage is left without an active node: "stalled: stage K has no
+node"). The processes, churn and metrics are `gwtf.runtime.swarm`.
 Every node process started here is killed when this command ends, however it ends: normally, on
 an error, on Ctrl+C (SIGINT), SIGTERM or SIGHUP (a closed terminal); a signal exits 128+signum.
 A non-empty `--out` is refused (it holds an earlier run) unless the run is resumed.
@@ -21,13 +22,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from gwtf.cli import add_config_arguments
+from gwtf.cli import add_config_arguments, add_secret_argument, apply_secret_file
 from gwtf.config import Config, load_config, write_resolved
 from gwtf.errors import UserError
 
 __all__ = ["add_arguments", "run", "run_swarm"]
 
 POLL_S = 0.2  # display / churn polling period
+LOOPBACK = ("127.0.0.1",)  # every node of a local swarm listens here (and joins through a peer here)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue the stopped run in --out from its newest checkpoint complete for all stages")
     parser.add_argument("--timeout-s", type=float, default=0.0, metavar="S",
                         help="give up after S seconds (default: 120 + 30 per iteration)")
+    add_secret_argument(parser)
     add_config_arguments(parser)
 
 
@@ -61,7 +64,7 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
 
         overrides.append(f'runtime.wan="{args.wan}"')
         regions = load_network(args.wan).regions
-    cfg: Config = load_config(args.config, overrides)
+    cfg: Config = apply_secret_file(load_config(args.config, overrides), args.secret_file, LOOPBACK)
     if args.replicas < 1:
         raise UserError("--replicas must be >= 1")
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations

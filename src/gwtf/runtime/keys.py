@@ -36,6 +36,7 @@ FINGERPRINT_CHARS = 16  # base32 characters of sha256(public key): 80 bits
 ID_KEY_SEP = "~"  # node id = NAME~FINGERPRINT/REGION@HOST:PORT; '~' is not allowed in names
 _PSK_LABEL = b"gwtf-noise-psk-v1"
 _HEX = re.compile(r"[0-9a-fA-F]+")
+_FINGERPRINT = re.compile(rf"[a-z2-7]{{{FINGERPRINT_CHARS}}}")  # lowercase base32
 
 
 def secret_bits(secret: bytes) -> int:
@@ -47,7 +48,7 @@ def secret_bits(secret: bytes) -> int:
 
 def is_loopback(host: str) -> bool:
     """True for "localhost" and loopback IPs (127.0.0.0/8, ::1); "" and names are not loopback."""
-    host = host.strip("[]")
+    host = host.strip("[]").lower()
     if host == "localhost":
         return True
     try:
@@ -130,7 +131,7 @@ def id_fingerprint(node_id: str) -> str | None:
     """The fingerprint embedded in a node id (`NAME~FP/REGION@ADDR`), or None if it has none."""
     head = node_id.partition("/")[0]
     name, sep, fp = head.rpartition(ID_KEY_SEP)
-    return fp if sep and name and len(fp) == FINGERPRINT_CHARS else None
+    return fp if sep and name and _FINGERPRINT.fullmatch(fp) else None
 
 
 def load_or_create_key(path: Path) -> bytes:
@@ -158,14 +159,23 @@ def load_or_create_key(path: Path) -> bytes:
 
 
 def _write_private(path: Path, data: bytes, what: str) -> None:
+    """Create `path` (mode 0600, never replacing a file) holding `data`, fsynced; a failed write
+    leaves no partial file behind."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write {what} {path}: {path.parent}: {exc.strerror}") from None
+    try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise UserError(f"{what} {path} already exists: not overwriting it") from None
     except OSError as exc:
         raise UserError(f"cannot write {what} {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise UserError(f"cannot write {what} {path}: {exc.strerror}") from None

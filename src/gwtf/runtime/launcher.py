@@ -2,8 +2,9 @@
 
 Owns `ProcessGroup`: it starts `python -m gwtf node ...` processes, each in its own session (so
 `killpg` reaches anything the node started), with stdout+stderr going to
-`DIR/nodes/<name>/stdout.log`; it waits for each node's single `READY {json}` line with a
-deadline (ports come from that line, never fixed ports); it kills (SIGKILL, the churn the paper
+`DIR/nodes/<name>/stdout.log` (every node gets the group's config, overrides and `--secret-file`,
+and inherits the environment, $GWTF_SWARM_SECRET included); it waits for each node's single
+`READY {json}` line with a deadline (ports come from that line, never fixed ports); it kills (SIGKILL, the churn the paper
 means by "crash") or stops (SIGTERM, a graceful leave) nodes; and it kills every process it ever
 started when closed, on exceptions, on Ctrl+C, and at interpreter exit (atexit).
 
@@ -110,10 +111,12 @@ class ProcessGroup:
         overrides: Sequence[str] = (),
         extra_env: dict[str, str] | None = None,
         python: str = sys.executable,
+        secret_file: str | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.config_path = config_path
         self.overrides = list(overrides)
+        self.secret_file = secret_file  # every node's --secret-file (None: config, else the inherited env)
         self.env = {**os.environ, **(extra_env or {})}
         self.python = python
         self.procs: list[NodeProcess] = []
@@ -129,6 +132,8 @@ class ProcessGroup:
             cmd += ["--join", join]
         if self.config_path:
             cmd += ["--config", self.config_path]
+        if self.secret_file:
+            cmd += ["--secret-file", self.secret_file]
         for text in self.overrides:
             cmd += ["--set", text]
         if plan.fault:

@@ -245,7 +245,7 @@ class Swarm:
         members = cfg.train.data_holders + opts.replicas * (cfg.model.stages - 1)
         overrides = (*opts.overrides, f"runtime.start_members={members}")
         group = _ResumeGroup if opts.resume else ProcessGroup
-        self.group = group(opts.out_dir, opts.config_path, overrides)
+        self.group = group(opts.out_dir, opts.config_path, overrides, secret_file=cfg.runtime.secret_file or None)
         self.metrics = SwarmMetrics(opts.out_dir, cfg.train.microbatches, self.first, prior)
         self.rng = random.Random(cfg.train.seed + 7919)
         self.crashes = 0

@@ -1,0 +1,51 @@
+"""`--secret-file` and $GWTF_SWARM_SECRET reach real node processes: nodes started by a
+`ProcessGroup` (as `gwtf swarm` starts them) with a `gwtf secret new` file form a swarm with a
+node given the same secret in the environment; a node holding another secret is refused at its
+join contact's handshake and exits before READY, and the swarm keeps serving."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from gwtf.runtime import keys
+from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup
+from gwtf.runtime.status import STATUS_FILE, read_status
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "swarm-test.toml")
+
+
+def _wait_active(procs: list[NodeProcess], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    while pending:
+        pending = [p for p in pending if (read_status(p.dir / STATUS_FILE) or {}).get("state") != "active"]
+        for p in pending:
+            assert p.alive(), f"{p.name} died:\n{p.log_tail()}"
+            assert time.monotonic() < deadline, f"{p.name} not active within {timeout_s}s:\n{p.log_tail()}"
+        time.sleep(0.05)  # polling period of a bounded wait
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_secret_file_and_env_secret_join_one_swarm_and_another_secret_is_refused(tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "swarm.secret", tmp_path / "other.secret"
+    keys.write_new_secret(ours)
+    keys.write_new_secret(theirs)
+    env = {keys.SECRET_ENV: ours.read_text().strip()}
+    with ProcessGroup(tmp_path / "run", CONFIG, secret_file=str(ours)) as group, \
+            ProcessGroup(tmp_path / "run", CONFIG, extra_env=env) as env_group, \
+            ProcessGroup(tmp_path / "run", CONFIG, secret_file=str(theirs)) as stranger:
+        first = group.spawn(NodePlan(name="dh0", role="data-holder", stage="0", shard=0))
+        group.wait_ready([first], timeout_s=60)
+        bad = stranger.spawn(NodePlan(name="x1", stage="1"), join=first.addr)
+        r1 = group.spawn(NodePlan(name="r1a", stage="1"), join=first.addr)
+        r2 = env_group.spawn(NodePlan(name="r2a", stage="2"), join=first.addr)
+        group.wait_ready([r1], timeout_s=60)
+        env_group.wait_ready([r2], timeout_s=60)
+        _wait_active([first, r1, r2], timeout_s=60)
+        with pytest.raises(NodeStartError, match="x1 exited with code [1-9]"):
+            stranger.wait_ready([bad], timeout_s=60)
+        assert first.alive() and r1.alive() and r2.alive()
