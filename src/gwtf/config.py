@@ -102,7 +102,7 @@ class RuntimeConfig:
     max_frame_bytes: int = 256 * 2**20  # hard cap on one frame (header + tensors)
     connect_timeout_s: float = 5.0  # TCP connect + swarm-secret handshake
     request_timeout_s: float = 30.0  # default deadline of one send
-    secret_file: str = ""  # "" = $GWTF_SWARM_SECRET, else the public dev secret (warning)
+    secret_file: str = ""  # "" = $GWTF_SWARM_SECRET, else the public dev secret (loopback addresses only)
     torch_threads: int = 1  # torch threads per node process (several nodes share a machine); 0 = torch default
     status_period_s: float = 0.5  # how often a node rewrites DIR/nodes/<id>/status.json
     ready_timeout_s: float = 90.0  # launcher: deadline for a node's READY line
