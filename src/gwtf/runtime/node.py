@@ -128,7 +128,8 @@ class NodeRuntime:
         # stack into its log (and `kill -USR1 PID` does so at any time)
         faulthandler.dump_traceback_later(self.cfg.runtime.ready_timeout_s, exit=False, file=sys.stdout)
         await loop.run_in_executor(self.executor, drive.init_torch_thread, self.cfg.runtime.torch_threads)
-        host, port = parse_addr(self.ident.listen)
+        host, _, port_text = self.ident.listen.rpartition(":")
+        host, port = host.strip("[]"), int(port_text)  # port 0: any free port
         secret, key = self._secret_and_key(host)
         transport = Transport("?", secret, self._on_frame, self.cfg.runtime, static_key=key)
         addr = await transport.start(host, port)

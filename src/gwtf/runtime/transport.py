@@ -159,6 +159,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.host = "?"
         self.peer_id: NodeId = ""
         self.authenticated = False
+        self.progress = 0  # handshake messages received
+        self.generation = 0  # the transport's sweep count when it was accepted
 
     # -- asyncio protocol callbacks -----------------------------------------------------------
 
@@ -235,6 +237,7 @@ class _Connection(asyncio.BufferedProtocol):
             if not used:
                 return
             self._rx.consume(used)
+            self.progress += 1
             if out:
                 self._write_raw(out)
             if self._hs.done:
@@ -354,6 +357,8 @@ class Transport:
 
     MAX_UNAUTHENTICATED = 256  # accepted connections still in their handshake, all hosts together
     MAX_UNAUTHENTICATED_PER_HOST = 64  # ... from one host; past either cap the OLDEST one is dropped
+    HARD_CAP_FACTOR = 8  # past 8 x the global cap, connections are dropped without waiting for a sweep
+    CAP_GRACE_S = 0.02  # period of the sweep that enforces the caps while they are exceeded
     LISTEN_BACKLOG = 1024
 
     def __init__(
@@ -390,6 +395,8 @@ class Transport:
         self._unauth: OrderedDict[_Connection, None] = OrderedDict()  # accepted, not yet authenticated
         self._unauth_by_host: dict[str, OrderedDict[_Connection, None]] = {}
         self._refusals = RefusalLog()
+        self._sweep: asyncio.TimerHandle | None = None
+        self._generation = 0  # sweeps so far
         self._corrupt_next = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -487,6 +494,8 @@ class Transport:
         self._closed = True
         if self._expiry is not None:
             self._expiry.cancel()
+        if self._sweep is not None:
+            self._sweep.cancel()
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):
@@ -549,17 +558,47 @@ class Transport:
         return False
 
     def _admit(self, conn: _Connection) -> None:
-        """Count an accepted connection against the caps; past one, drop the oldest (docs/wire.md)."""
+        """Count an accepted connection against the caps (docs/wire.md, "Limits before authentication").
+
+        The caps are enforced by a sweep every CAP_GRACE_S while they are exceeded, and only on
+        connections admitted before the previous sweep: every connection then had at least one
+        turn of the loop to deliver its first handshake message. The sweep drops the oldest that
+        did not, then the oldest; an honest peer sends its first message at once, so a flood of
+        idle sockets from its own address cannot push it out. Past HARD_CAP_FACTOR x the global
+        cap, the oldest idle ones go at once, whatever their age.
+        """
+        conn.generation = self._generation
         self._unauth[conn] = None
-        mine = self._unauth_by_host.setdefault(conn.host, OrderedDict())
-        mine[conn] = None
-        if len(mine) > self.MAX_UNAUTHENTICATED_PER_HOST:
-            victim = next(iter(mine))
-        elif len(self._unauth) > self.MAX_UNAUTHENTICATED:
-            victim = next(iter(self._unauth))
-        else:
+        self._unauth_by_host.setdefault(conn.host, OrderedDict())[conn] = None
+        excess = len(self._unauth) - self.HARD_CAP_FACTOR * self.MAX_UNAUTHENTICATED
+        if excess > 0:
+            self._drop_oldest(self._unauth, excess, self._generation + 1)
+        if self._sweep is None and not self._closed:
+            self._sweep = asyncio.get_running_loop().call_later(self.CAP_GRACE_S, self._sweep_caps)
+
+    def _sweep_caps(self) -> None:
+        self._sweep = None
+        self._generation += 1
+        ripe = self._generation - 1  # admitted before the previous sweep
+        for host in list(self._unauth_by_host):
+            pool = self._unauth_by_host.get(host)
+            if pool is not None:
+                self._drop_oldest(pool, len(pool) - self.MAX_UNAUTHENTICATED_PER_HOST, ripe)
+        self._drop_oldest(self._unauth, len(self._unauth) - self.MAX_UNAUTHENTICATED, ripe)
+        if len(self._unauth) > min(self.MAX_UNAUTHENTICATED, self.MAX_UNAUTHENTICATED_PER_HOST):
+            self._sweep = asyncio.get_running_loop().call_later(self.CAP_GRACE_S, self._sweep_caps)
+
+    def _drop_oldest(self, pool: OrderedDict[_Connection, None], excess: int, ripe: int) -> None:
+        """Drop up to `excess` connections of `pool` admitted before generation `ripe`: the
+        oldest that have not sent a whole handshake message first, then the oldest."""
+        if excess <= 0:
             return
-        victim._refuse("too many unauthenticated connections: dropped the oldest", "cap")
+        old = [c for c in pool if c.generation < ripe]
+        idle = [c for c in old if not c.progress][:excess]
+        victims = idle + [c for c in old if c.progress][: excess - len(idle)]
+        for victim in victims:
+            self._release(victim)
+            victim._refuse("too many unauthenticated connections: dropped the oldest", "cap")
 
     def _release(self, conn: _Connection) -> None:
         """`conn` is authenticated or gone: it no longer counts against the caps."""
