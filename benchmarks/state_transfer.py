@@ -69,7 +69,7 @@ def sender(args: argparse.Namespace, pipe: Connection) -> None:
 
     async def send() -> float:
         cfg = RuntimeConfig(chunk_bytes=args.chunk_mib << 20, request_timeout_s=60.0)
-        t = Transport("sender", SECRET, lambda *a: None, cfg)
+        t = Transport.with_new_key("sender", SECRET, lambda *a: None, cfg)
         await t.start("127.0.0.1", 0)
         await t.connect(addr)
         t1 = time.perf_counter()
@@ -90,8 +90,8 @@ def receiver(args: argparse.Namespace, pipe: Connection) -> None:
     async def serve() -> dict[str, float]:
         nonlocal got
         got = asyncio.Queue()
-        t = Transport("receiver", SECRET, lambda peer, msg, ts: got.put_nowait((msg, ts)),
-                      RuntimeConfig(request_timeout_s=60.0))
+        t = Transport.with_new_key("receiver", SECRET, lambda peer, msg, ts: got.put_nowait((msg, ts)),
+                                   RuntimeConfig(request_timeout_s=60.0))
         addr = await t.start("127.0.0.1", 0)
         before = rss_mib()
         reset_peak()

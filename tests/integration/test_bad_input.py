@@ -1,8 +1,8 @@
 """Bad input over a real socket: a live node logs the reason, drops that peer, and keeps serving.
 
 One node process (a data holder, the swarm's bootstrap and leader) with a known swarm secret.
-The test connects with (1) garbage bytes, (2) a valid-looking frame of an unknown message type
-and (3) the wrong swarm secret; each must produce a log line naming the reason. Then a peer with
+The test connects with (1) garbage bytes, (2) a plaintext frame (no handshake) and (3) the wrong
+swarm secret; each must produce a log line naming the reason. Then a peer with
 the right secret asks to join and must get the leader's Welcome: the node still serves.
 """
 
@@ -54,9 +54,9 @@ async def _join_as_peer(addr: str, secret: bytes) -> Message:
     def on_frame(sender: NodeId, msg: Message, tensors: list[object]) -> None:
         got.put_nowait(msg)
 
-    t = Transport("?", secret, on_frame, RuntimeConfig(connect_timeout_s=5.0))
+    t = Transport.with_new_key("probe", secret, on_frame, RuntimeConfig(connect_timeout_s=5.0))
     bound = await t.start("127.0.0.1", 0)
-    me = f"probe/local@{bound}"
+    me = f"{t.node_id}/local@{bound}"
     t.node_id = me
     try:
         await t.send(addr, JoinRequest(peer=(me, -1, "local", 1.0, 1, 0)), timeout_s=10)
@@ -76,10 +76,10 @@ def test_garbage_unknown_type_and_wrong_secret_are_refused_and_node_keeps_servin
         node = group.spawn(NodePlan(name="dh0", role="data-holder", stage="0", shard=0))
         group.wait_ready([node], timeout_s=60)
         _raw_send(node.addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)
-        _wait_for_log(node, "bad frame: bad magic")
-        header = b"\x81\xa1t\xa7no.such"  # msgpack {"t": "no.such"}
+        _wait_for_log(node, "bad handshake: bad magic")
+        header = b"\x81\xa1t\xa7no.such"  # msgpack {"t": "no.such"}: a plaintext frame of wire 1
         _raw_send(node.addr, PREFIX.pack(MAGIC, 1, 0, len(header), 0) + header)
-        _wait_for_log(node, "bad frame: unknown type 'no.such'")
+        _wait_for_log(node, "bad handshake: unsupported wire version 1")
         with pytest.raises(Exception, match="refused|closed|lost|failed"):
             asyncio.run(_join_as_peer(node.addr, b"not-the-secret"))
         _wait_for_log(node, "bad swarm secret")

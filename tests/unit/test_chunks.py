@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load as st_load
-from tests.unit.test_transport import REG, SECRET, Act, Inbox
+from tests.unit.test_transport import REG, Act, Inbox, make_transport
 
 from gwtf.config import RuntimeConfig
 from gwtf.runtime import chunks, statefile, transport
@@ -35,7 +35,7 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 
 
 async def node(name: str, inbox: Inbox | None = None, cfg: RuntimeConfig = CFG) -> Transport:
-    t = Transport(name, SECRET, inbox or Inbox(), cfg, registry=REG)
+    t = make_transport(name, inbox, cfg=cfg)
     await t.start("127.0.0.1", 0)
     return t
 
@@ -164,7 +164,7 @@ def test_state_larger_than_the_frame_limit_round_trips_over_the_transport() -> N
         await b.send(a.address, Act(mb=3), [np.arange(3), x], timeout_s=5)
         await b.send(a.address, Act(mb=4), timeout_s=5)  # small messages still go as one frame
         peer, msg, tensors = await inbox.get()
-        assert (peer, msg) == ("b", Act(mb=3))
+        assert (peer, msg) == (b.node_id, Act(mb=3))
         assert np.array_equal(tensors[0], np.arange(3)) and np.array_equal(tensors[1], x)
         assert (await inbox.get())[1] == Act(mb=4)
         assert len(a.reassembler) == 0

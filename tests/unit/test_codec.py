@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import gwtf.flow
 import gwtf.protocol
 from gwtf.protocol.base import MESSAGE_TYPES, Message
-from gwtf.runtime import auth
+from gwtf.runtime.chunks import CHUNK_TYPES
 from gwtf.runtime.codec import (
     BFLOAT16,
     PREFIX,
@@ -82,7 +82,7 @@ class Checked(Message):
 
 
 REG: dict[str, type[Message]] = {"T_SAMPLE": Sample, "T_CHECKED": Checked}
-ALL_REG: dict[str, type[Message]] = {**MESSAGE_TYPES, **auth.HANDSHAKE_TYPES, **REG}
+ALL_REG: dict[str, type[Message]] = {**MESSAGE_TYPES, **CHUNK_TYPES, **REG}
 SMALL = Limits(max_frame_bytes=1 << 20, max_header_bytes=1 << 16)
 INT64 = st.integers(-(2**63), 2**63 - 1)
 SCALAR = st.one_of(st.none(), st.booleans(), INT64, st.floats(allow_nan=False), st.text(max_size=8))

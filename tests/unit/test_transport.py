@@ -1,6 +1,8 @@
-"""Transport and auth on loopback: delivery, refused secrets, bad peers, failures that must not hang.
+"""Transport on loopback: delivery, refused secrets, bad peers, failures that must not hang.
 
 Every test runs its own event loop with an overall deadline; every await inside is bounded.
+The secure session's own attacks (injected, replayed, altered records; replayed handshakes; ids
+that do not match their keys; caps) are in test_wire_security.py.
 """
 
 from __future__ import annotations
@@ -10,20 +12,17 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from gwtf.config import RuntimeConfig
-from gwtf.errors import UserError
 from gwtf.protocol.base import Message
-from gwtf.runtime import auth
-from gwtf.runtime.codec import Decoder, encode_bytes
+from gwtf.runtime import auth, keys
+from gwtf.runtime.codec import MAGIC, PREFIX, encode, encode_bytes
 from gwtf.runtime.transport import SendFailed, Transport, parse_addr
 
-SECRET = b"test-secret"
+SECRET = b"test-secret-of-sufficient-length"
 FAST = RuntimeConfig(connect_timeout_s=2.0, request_timeout_s=5.0)
 
 
@@ -54,8 +53,14 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(test(), 20.0))
 
 
+def make_transport(name: str, inbox: Inbox | None = None, secret: bytes = SECRET,
+                   cfg: RuntimeConfig = FAST) -> Transport:
+    """A transport with a fresh static key whose id is `name~FINGERPRINT` (as node ids embed it)."""
+    return Transport.with_new_key(name, secret, inbox or Inbox(), cfg, registry=REG)
+
+
 async def node(name: str, inbox: Inbox | None = None, secret: bytes = SECRET) -> Transport:
-    t = Transport(name, secret, inbox or Inbox(), FAST, registry=REG)
+    t = make_transport(name, inbox, secret)
     await t.start("127.0.0.1", 0)
     return t
 
@@ -72,10 +77,10 @@ def test_message_with_4mib_tensor_arrives_intact() -> None:
         await b.send(a.address, Act(mb=7), [x, np.arange(5)], timeout_s=5)
         await b.send(a.address, Act(mb=8, note="second"), timeout_s=5)  # reuses the connection
         peer, msg, tensors = await inbox.get()
-        assert (peer, msg) == ("b", Act(mb=7)) and np.array_equal(tensors[0], x)
+        assert (peer, msg) == (b.node_id, Act(mb=7)) and np.array_equal(tensors[0], x)
         assert np.array_equal(tensors[1], np.arange(5))
         assert (await inbox.get())[1] == Act(mb=8, note="second")
-        assert await b.connect(a.address, timeout_s=5) == "a"  # the handshake tells the peer's id
+        assert await b.connect(a.address, timeout_s=5) == a.node_id  # the handshake proves the peer's id
         assert a.port == parse_addr(a.address)[1] > 0
         await a.close()
         await b.close()
@@ -86,14 +91,15 @@ def test_message_with_4mib_tensor_arrives_intact() -> None:
 def test_wrong_secret_refused_and_server_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         inbox = Inbox()
-        server, good, bad = await node("s", inbox), await node("good"), await node("bad", secret=b"nope")
+        server, good = await node("s", inbox), await node("good")
+        bad = await node("bad", secret=b"not-the-swarm-secret-at-all")
         with caplog.at_level(logging.WARNING, logger="gwtf.runtime.transport"):
             with pytest.raises(SendFailed, match="swarm secret"):
                 await bad.send(server.address, Act(mb=1), timeout_s=5)
         assert any("refused peer 127.0.0.1:" in r.message and "bad swarm secret" in r.message
                    for r in caplog.records)
         await good.send(server.address, Act(mb=2), timeout_s=5)
-        assert await inbox.get() == ("good", Act(mb=2), [])
+        assert await inbox.get() == (good.node_id, Act(mb=2), [])
         assert inbox.queue.empty()  # the refused peer's frame never reached on_frame
         for t in (server, good, bad):
             await t.close()
@@ -111,7 +117,7 @@ def test_garbage_client_dropped_and_server_keeps_serving(caplog: pytest.LogCaptu
             writer.write(b"\x00garbage garbage garbage")
             await read_until_eof(reader)  # the server hangs up
         writer.close()
-        assert any("bad frame: bad magic" in r.message for r in caplog.records)
+        assert any("bad handshake: bad magic" in r.message for r in caplog.records)
         await good.send(server.address, Act(mb=3), timeout_s=5)
         assert (await inbox.get())[1] == Act(mb=3)
         await server.close()
@@ -120,51 +126,59 @@ def test_garbage_client_dropped_and_server_keeps_serving(caplog: pytest.LogCaptu
     run(main)
 
 
-def test_unauthenticated_protocol_frame_never_reaches_on_frame(caplog: pytest.LogCaptureFixture) -> None:
+def test_plaintext_protocol_frame_before_handshake_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         inbox = Inbox()
         server = await node("s", inbox)
         reader, writer = await asyncio.open_connection(*parse_addr(server.address))
         with caplog.at_level(logging.WARNING, logger="gwtf.runtime.transport"):
-            writer.write(encode_bytes(Act(mb=66)))  # a well-formed frame, but no handshake
+            writer.write(encode_bytes(Act(mb=66)))  # a well-formed wire-1 frame, but no handshake
             await read_until_eof(reader)
         writer.close()
         assert inbox.queue.empty()
-        assert any("unknown type 'T_ACT'" in r.message for r in caplog.records)
+        assert any("unsupported wire version 1" in r.message for r in caplog.records)
         await server.close()
 
     run(main)
 
 
-async def _manual_handshake(addr: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Authenticate as a client by hand (raw streams + auth helpers)."""
+async def manual_session(addr: str, name: str = "raw", secret: bytes = SECRET,
+                         key: bytes | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                                                            auth.Sealer, str]:
+    """Authenticate as a client by hand (raw streams + the auth state machine)."""
+    key = key or keys.new_private_key()
+    me = f"{name}~{keys.fingerprint(keys.public_of(key))}"
+    hs = auth.Handshake("client", key, keys.psk_of(secret), me)
     reader, writer = await asyncio.open_connection(*parse_addr(addr))
-    mine = auth.Hello(node_id="raw", nonce=auth.new_nonce())
-    writer.write(encode_bytes(mine))
-    dec = Decoder(registry=auth.HANDSHAKE_TYPES)
-    frames: list[Any] = []
-    while len(frames) < 1:
-        frames += dec.feed(await asyncio.wait_for(reader.read(4096), 5.0))
-    server_hello = frames[0].msg
-    writer.write(encode_bytes(auth.Proof(mac=auth.handshake_mac(SECRET, "client", mine, server_hello))))
-    while len(frames) < 2:
-        frames += dec.feed(await asyncio.wait_for(reader.read(4096), 5.0))
-    assert auth.verify_mac(SECRET, "server", mine, server_hello, frames[1].msg.mac)
-    return reader, writer
+    writer.write(hs.first())
+    got = b""
+    while not hs.done:
+        got += await asyncio.wait_for(reader.read(4096), 5.0)
+        used, out = hs.receive(memoryview(got))
+        got = got[used:]
+        writer.write(out)
+    while len(got) < auth.RECORD_OVERHEAD:  # the server's confirmation record
+        got += await asyncio.wait_for(reader.read(4096), 5.0)
+    rx = auth.RxBuffer(4096)
+    rx.buf[: len(got)] = got
+    rx.filled(len(got))
+    assert auth.Opener(hs.recv_key, rx).open_next(None) == 0
+    return reader, writer, auth.Sealer(hs.send_key), me
 
 
 def test_authenticated_peer_sending_bad_frame_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         inbox = Inbox()
         server, good = await node("s", inbox), await node("good")
-        reader, writer = await _manual_handshake(server.address)
-        writer.write(encode_bytes(Act(mb=1)))
-        assert await inbox.get() == ("raw", Act(mb=1), [])
+        reader, writer, sealer, me = await manual_session(server.address)
+        for record in sealer.seal(encode(Act(mb=1))):
+            writer.write(record)
+        assert await inbox.get() == (me, Act(mb=1), [])
         with caplog.at_level(logging.WARNING, logger="gwtf.runtime.transport"):
-            writer.write(b"GWTF\x01\x00" + bytes(12) + b"\xff")  # header_len 0: not a map
+            writer.write(sealer.seal_one(PREFIX.pack(MAGIC, 1, 0, 1, 0) + b"\xff"))  # a header that is no map
             await read_until_eof(reader)
         writer.close()
-        assert any("(node raw): bad frame" in r.message for r in caplog.records)
+        assert any(f"(node {me}): bad frame" in r.message for r in caplog.records)
         await good.send(server.address, Act(mb=2), timeout_s=5)
         assert (await inbox.get())[1] == Act(mb=2)
         await server.close()
@@ -175,10 +189,10 @@ def test_authenticated_peer_sending_bad_frame_is_dropped(caplog: pytest.LogCaptu
 
 def test_silent_peer_dropped_after_handshake_timeout() -> None:
     async def main() -> None:
-        server = Transport("s", SECRET, Inbox(), RuntimeConfig(connect_timeout_s=0.2), registry=REG)
+        server = make_transport("s", cfg=RuntimeConfig(connect_timeout_s=0.2))
         await server.start()
         reader, writer = await asyncio.open_connection(*parse_addr(server.address))
-        await read_until_eof(reader)  # server's HELLO, then EOF once its handshake timer fires
+        assert await read_until_eof(reader) == b""  # nothing, then EOF once its handshake timer fires
         writer.close()
         await server.close()
 
@@ -240,34 +254,3 @@ def test_send_timeout_when_peer_never_reads() -> None:
     run(main)
 
 
-# --------------------------------------------------------------------------------------------
-# Secret loading and MACs
-# --------------------------------------------------------------------------------------------
-
-
-def test_secret_from_file_env_or_dev_default(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    f = tmp_path / "secret"
-    f.write_bytes(b"  s3cret\n")
-    assert auth.load_secret(str(f), environ={auth.SECRET_ENV: "env"}) == b"s3cret"  # the file wins
-    assert auth.load_secret(None, environ={auth.SECRET_ENV: "env"}) == b"env"
-    with caplog.at_level(logging.WARNING, logger="gwtf.runtime.auth"):
-        assert auth.load_secret(None, environ={}) == auth.DEV_SECRET
-    assert any("dev secret" in r.message for r in caplog.records)
-    f.write_bytes(b"\n")
-    with pytest.raises(UserError, match="empty"):
-        auth.load_secret(str(f), environ={})
-    with pytest.raises(UserError, match="cannot read"):
-        auth.load_secret(str(tmp_path / "missing"), environ={})
-    with pytest.raises(UserError, match="empty"):
-        auth.load_secret(None, environ={auth.SECRET_ENV: " "})
-
-
-def test_mac_binds_secret_role_nonces_and_ids() -> None:
-    c = auth.Hello(node_id="c", nonce=bytes(16))
-    s = auth.Hello(node_id="s", nonce=bytes(range(16)))
-    mac = auth.handshake_mac(SECRET, "client", c, s)
-    assert auth.verify_mac(SECRET, "client", c, s, mac)
-    assert not auth.verify_mac(b"other", "client", c, s, mac)
-    assert not auth.verify_mac(SECRET, "server", c, s, mac)  # no reflection
-    assert not auth.verify_mac(SECRET, "client", s, c, mac)
-    assert not auth.verify_mac(SECRET, "client", c, auth.Hello(node_id="s", nonce=bytes(16)), mac)

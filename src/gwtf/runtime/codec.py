@@ -88,6 +88,7 @@ class Limits:
     max_header_bytes: int = 2**20
     max_tensors: int = 64
     max_dims: int = 8
+    max_container_len: int = 65536  # elements of one msgpack array or map in a header
 
 
 class Frame(NamedTuple):
@@ -372,9 +373,14 @@ def encode_bytes(msg: Message, tensors: Sequence[np.ndarray] = (), limits: Limit
 # --------------------------------------------------------------------------------------------
 
 
-def _unpack_header(raw: bytes | memoryview) -> dict[str, Any]:
+def _unpack_header(raw: bytes | memoryview, limits: Limits) -> dict[str, Any]:
+    """The header map; msgpack's own limits bound every string, bin, array and map (no ext types)."""
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True)
+        header = msgpack.unpackb(
+            raw, raw=False, strict_map_key=False, use_list=True, max_str_len=limits.max_header_bytes,
+            max_bin_len=limits.max_header_bytes, max_array_len=limits.max_container_len,
+            max_map_len=limits.max_container_len, max_ext_len=0,
+        )
     except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, StackError, ...)
         raise WireError(f"bad header: {type(exc).__name__}") from None
     if not isinstance(header, dict) or set(header) - {"t", "f", "x"} or "t" not in header:
@@ -444,7 +450,7 @@ def decode_header(
     """
     if len(raw) > limits.max_header_bytes:
         raise WireError("header too large")
-    header = _unpack_header(raw)
+    header = _unpack_header(raw, limits)
     layout = _check_descs(header.get("x", []), limits)
     end = layout[-1][2] + layout[-1][3] if layout else 0
     if end != body_len:
@@ -465,8 +471,10 @@ class Decoder:
 
     Two ways to feed it: `feed(data)` (copies), or the zero-copy pair `get_buffer(hint)` /
     `buffer_updated(n)` that an asyncio BufferedProtocol forwards, so that large bodies are
-    received straight into their final buffer. Then pull frames with `next_frame()` (one at a
-    time: the caller may change `registry` between frames, e.g. after a handshake) or `drain()`.
+    received straight into their final buffer; or, under the record layer (`runtime.auth.Opener`),
+    `push(plaintext)` plus `body_window(n)` / `body_written(n)`, which let a record be decrypted
+    straight into the pending tensor body. Then pull frames with `next_frame()` (one at a time:
+    the caller may change `registry` between frames) or `drain()`.
     """
 
     _SCRATCH_BYTES = 256 * 1024
@@ -479,13 +487,13 @@ class Decoder:
     ) -> None:
         base = limits or Limits()
         if max_frame_bytes is not None:
-            base = Limits(max_frame_bytes=max_frame_bytes, max_header_bytes=min(base.max_header_bytes,
-                          max_frame_bytes), max_tensors=base.max_tensors, max_dims=base.max_dims)
+            base = dataclasses.replace(base, max_frame_bytes=max_frame_bytes,
+                                       max_header_bytes=min(base.max_header_bytes, max_frame_bytes))
         self.limits = base
         self.registry: Mapping[str, type[Message]] = MESSAGE_TYPES if registry is None else registry
         self._buf = bytearray()  # unconsumed bytes (prefix, header, small bodies)
         self._pos = 0
-        self._scratch = bytearray(self._SCRATCH_BYTES)
+        self._scratch = bytearray(0)  # allocated on the first get_buffer (the record layer never uses it)
         self._header_len = -1  # >= 0 once the prefix is parsed
         self._body_len = 0
         self._msg: Message | None = None  # set once the header is parsed
@@ -513,6 +521,8 @@ class Decoder:
             if self._body_len - self._filled >= self._SCRATCH_BYTES // 4:
                 self._into_body = True
                 return memoryview(self._body)[self._filled :]  # type: ignore[arg-type]
+        if not self._scratch:
+            self._scratch = bytearray(self._SCRATCH_BYTES)
         return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -521,6 +531,17 @@ class Decoder:
             self._filled += nbytes
         else:
             self._buf += memoryview(self._scratch)[:nbytes]
+
+    def body_window(self, nbytes: int) -> memoryview | None:
+        """The next `nbytes` of the pending tensor body, to be written in place (then call
+        `body_written`), or None if no body is pending, bytes are buffered, or it is shorter."""
+        if self._body is None or self._pos != len(self._buf) or self._body_len - self._filled < nbytes:
+            return None
+        return memoryview(self._body)[self._filled : self._filled + nbytes]  # type: ignore[arg-type]
+
+    def body_written(self, nbytes: int) -> None:
+        """Record `nbytes` written into the window last returned by `body_window`."""
+        self._filled += nbytes
 
     # -- output ------------------------------------------------------------------------------
 
@@ -601,7 +622,7 @@ class Decoder:
         if self._available() < self._header_len:
             return False
         with self._take(self._header_len) as view:
-            header = _unpack_header(view)
+            header = _unpack_header(view, self.limits)
         layout = _check_descs(header.get("x", []), self.limits)
         end = layout[-1][2] + layout[-1][3] if layout else 0
         if end != self._body_len:

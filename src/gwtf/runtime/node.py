@@ -14,8 +14,10 @@ itself (the status timer firing late by more than a heartbeat period) is recorde
 
 Protocol decisions are the core's; this module only executes effects (see `gwtf.runtime.drive`
 for the mapping of compute effects and tensor keys to the worker). The node's id embeds its
-address and region, `<name>/<region>@<host>:<port>`, so a peer id is all a node needs to reach a
-peer: no address book, no coordinator; membership spreads through the core's own messages.
+key fingerprint, region and address, `<name>~<fingerprint>/<region>@<host>:<port>` (the
+fingerprint of its static key, `runtime.keys`, which every handshake checks), so a peer id is all
+a node needs to reach a peer: no address book, no coordinator; membership spreads through the
+core's own messages.
 
 Must not import sim.
 """
@@ -38,12 +40,11 @@ from typing import Any
 from gwtf.config import Config
 from gwtf.errors import UserError
 from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer
-from gwtf.runtime import drive
-from gwtf.runtime.auth import load_secret
+from gwtf.runtime import drive, keys
 from gwtf.runtime.chaos import FaultSpec, fault_from, kill_self
 from gwtf.runtime.clock import Outbox, TimerTable, WanModel
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, RecordLog, dumps, node_dir, write_status
-from gwtf.runtime.transport import SendFailed, Transport
+from gwtf.runtime.transport import SendFailed, Transport, parse_addr
 
 log = logging.getLogger("gwtf.node")
 
@@ -75,8 +76,9 @@ class NodeIdentity:
     key_file: Path | None = None  # --key-file: the static key; None = KEY_FILE in the node's folder
 
 
-def make_node_id(name: str, region: str, addr: str) -> NodeId:
-    return f"{name}/{region}@{addr}"
+def make_node_id(name: str, fingerprint: str, region: str, addr: str) -> NodeId:
+    """`NAME~FINGERPRINT/REGION@HOST:PORT` (names never contain '~'; `keys.id_fingerprint` reads it)."""
+    return f"{name}{keys.ID_KEY_SEP}{fingerprint}/{region}@{addr}"
 
 
 def addr_of(node: NodeId) -> str:
@@ -126,12 +128,12 @@ class NodeRuntime:
         # stack into its log (and `kill -USR1 PID` does so at any time)
         faulthandler.dump_traceback_later(self.cfg.runtime.ready_timeout_s, exit=False, file=sys.stdout)
         await loop.run_in_executor(self.executor, drive.init_torch_thread, self.cfg.runtime.torch_threads)
-        transport = Transport("?", load_secret(self.cfg.runtime.secret_file or None), self._on_frame,
-                              self.cfg.runtime)
         host, _, port_text = self.ident.listen.rpartition(":")
-        host, port = host.strip("[]"), int(port_text)
+        host, port = host.strip("[]"), int(port_text)  # port 0: any free port
+        secret, key = self._secret_and_key(host)
+        transport = Transport("?", secret, self._on_frame, self.cfg.runtime, static_key=key)
         addr = await transport.start(host, port)
-        self.node_id = make_node_id(self.ident.name, self.ident.region, addr)
+        self.node_id = make_node_id(self.ident.name, transport.fingerprint, self.ident.region, addr)
         transport.node_id = self.node_id  # ids embed the bound port, known only after listen
         self.transport = transport
         self.timers = TimerTable(loop, self._on_timer)
@@ -155,6 +157,23 @@ class NodeRuntime:
         finally:
             await self._shutdown()
         return self.exit_code
+
+    def _secret_and_key(self, listen_host: str) -> tuple[bytes, bytes]:
+        """The swarm secret (the dev secret only if every address is loopback) and the node's
+        static key (its --key-file, else KEY_FILE in the node's folder, created on first start).
+
+        Raises:
+            UserError: no usable secret, or an unreadable / unsafe key file.
+        """
+        hosts = [listen_host]
+        if self.ident.join:
+            try:
+                hosts.append(parse_addr(self.ident.join)[0])
+            except ValueError:
+                raise UserError(f"--join {self.ident.join!r}: expected HOST:PORT") from None
+        secret = keys.load_secret(self.cfg.runtime.secret_file or None, hosts=hosts)
+        key = keys.load_or_create_key(self.ident.key_file or self.dir / keys.KEY_FILE)
+        return secret, key
 
     async def _contact_id(self) -> NodeId | None:
         """The --join contact's node id (learned from its authenticated handshake)."""

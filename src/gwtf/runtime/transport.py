@@ -1,23 +1,28 @@
-"""Authenticated TCP transport for codec frames (asyncio).
+"""Encrypted, authenticated TCP transport for codec frames (asyncio).
 
 Owns sockets and nothing else: a listening server, a cache of outbound connections by address
-("host:port"), the swarm-secret handshake of `auth` on every connection, and back-pressure.
-Inbound frames of authenticated peers go to `on_frame(peer_node_id, msg, tensors)`; a send that
-cannot complete within its deadline raises `SendFailed(addr, reason)`, which the node runtime
-turns into `NodeCore.on_send_failed`. The transport never decides about routing or retries.
+("host:port"), the secure session of `auth` on every connection (a Noise XXpsk3 handshake bound to
+the swarm secret and to each node's static key, then AES-GCM records with a counter), the limits
+before authentication (a small handshake buffer, a handshake deadline, a global and a per-host cap
+on unauthenticated connections that drop the oldest one, rate-limited refusal warnings), and
+back-pressure. Inbound frames of authenticated peers go to `on_frame(peer_node_id, msg, tensors)`;
+the peer id is the one its handshake proved. A send that cannot complete within its deadline
+raises `SendFailed(addr, reason)`, which the node runtime turns into `NodeCore.on_send_failed`.
+The transport never decides about routing or retries.
 
-Each connection is an asyncio `BufferedProtocol` feeding the sans-IO `codec.Decoder`, so large
-tensor bodies are received straight into their final numpy buffer (DEPENDENCIES.md section 2).
-Connections are one-way for requests: a node sends on the connections it opened and receives on
-the ones it accepted (simple, and no races between two simultaneous connects); the only frames
-going back are the acks of chunked transfers.
+Each connection is an asyncio `BufferedProtocol`: ciphertext is received into the session's
+buffer and a record inside a tensor body is decrypted straight into the decoder's final numpy
+buffer (docs/wire.md). Connections are one-way for requests: a node sends on the connections it
+opened and receives on the ones it accepted (simple, and no races between two simultaneous
+connects); the only frames going back are the acks of chunked transfers.
 
 A message whose body is larger than `runtime.chunk_bytes` travels as a chunked transfer
 (`runtime.chunks`): the receiver writes the chunks into one preallocated buffer and hands the
 whole message to `on_frame` once every chunk is in; the sender's `send` returns then, resuming
 on a new connection after a loss (`runtime.transfer_retries`) and raising `SendFailed` when out
 of tries, so a transfer never hangs.
-A bad frame or failed handshake closes that one connection with a warning; others keep going.
+A refused handshake, a bad record or a bad frame closes that one connection with a warning;
+others keep going.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +39,7 @@ import numpy as np
 
 from gwtf.config import RuntimeConfig
 from gwtf.protocol.base import MESSAGE_TYPES, Message, NodeId
-from gwtf.runtime import auth
+from gwtf.runtime import auth, keys
 from gwtf.runtime.chunks import (
     CHUNK_TYPES,
     WINDOW_CHUNKS,
@@ -98,15 +104,50 @@ def _settle(fut: asyncio.Future[None], exc: BaseException) -> None:
         fut.exception()
 
 
+class RefusalLog:
+    """Rate-limited warnings about refused peers: at most one line per (host, kind) per period,
+    the next line saying how many were not logged (a flood cannot fill the log)."""
+
+    PERIOD_S = 10.0
+    MAX_KEYS = 4096
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, str], list[float]] = {}  # (host, kind) -> [last logged at, suppressed]
+
+    def refused(self, addr: str, host: str, kind: str, reason: str, now: float) -> bool:
+        """Log (or count) one refusal; True if a line was written."""
+        key = (host, kind)
+        entry = self._seen.get(key)
+        if entry is not None and now - entry[0] < self.PERIOD_S:
+            entry[1] += 1
+            return False
+        suppressed = int(entry[1]) if entry is not None else 0
+        if entry is None and len(self._seen) >= self.MAX_KEYS:
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.PERIOD_S}
+            if len(self._seen) >= self.MAX_KEYS:
+                self._seen.clear()
+        self._seen[key] = [now, 0]
+        more = f" ({suppressed} more like it from {host} not logged since the last line)" if suppressed else ""
+        log.warning("refused peer %s: %s%s", addr, reason, more)
+        return True
+
+
 class _Connection(asyncio.BufferedProtocol):
-    """One TCP connection: handshake state, decoder, write back-pressure."""
+    """One TCP connection: the secure session (`auth`), the frame decoder, write back-pressure.
+
+    Stages: handshake (a small receive buffer, no decoder) -> [client: waiting for the server's
+    confirmation record] -> authenticated (records in both directions, frames to the decoder).
+    """
 
     def __init__(self, owner: Transport, role: auth.Role) -> None:
         self._owner = owner
         self._role: auth.Role = role
-        self._decoder = Decoder(registry=auth.HANDSHAKE_TYPES, limits=owner.limits)
-        self._mine = auth.Hello(node_id=owner.node_id, nonce=auth.new_nonce())
-        self._peer: auth.Hello | None = None
+        self._rx = auth.RxBuffer(auth.HANDSHAKE_BUFFER_BYTES)
+        self._hs: auth.Handshake | None = None  # the server makes it on the first bytes received
+        self._opener: auth.Opener | None = None
+        self._sealer: auth.Sealer | None = None
+        self._decoder: Decoder | None = None  # made at authentication
+        self._confirming = False
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         loop = asyncio.get_running_loop()
@@ -115,8 +156,11 @@ class _Connection(asyncio.BufferedProtocol):
         self._paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self.addr = "?"
+        self.host = "?"
         self.peer_id: NodeId = ""
         self.authenticated = False
+        self.progress = 0  # handshake messages received
+        self.generation = 0  # the transport's sweep count when it was accepted
 
     # -- asyncio protocol callbacks -----------------------------------------------------------
 
@@ -125,29 +169,36 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport = transport
         peer = transport.get_extra_info("peername")
         self.addr = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.host = str(peer[0]) if peer else "?"
         self._owner._conns_all.add(self)
         self._timer = asyncio.get_running_loop().call_later(
-            self._owner.cfg.connect_timeout_s, self._fail, "handshake timeout"
+            self._owner.cfg.connect_timeout_s, self._refuse, "handshake timeout", "timeout"
         )
-        self._write(encode(self._mine, (), self._owner.limits))
+        if self._role == "server":
+            self._owner._admit(self)
+        else:
+            self._hs = self._owner._handshake("client")
+            self._write_raw(self._hs.first())
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._decoder.get_buffer(sizehint)
+        if self._opener is not None:
+            return self._opener.get_buffer()
+        self._rx.reserve(len(self._rx.buf), len(self._rx.buf))  # compact: handshake bytes are few
+        return self._rx.writable(len(self._rx.buf))
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._decoder.buffer_updated(nbytes)
-        while not self.closed.done() and self._transport is not None and not self._transport.is_closing():
-            try:
-                frame = self._decoder.next_frame()
-            except WireError as exc:
-                self._fail(f"bad frame: {exc.reason}")
-                return
-            if frame is None:
-                return
-            if self.authenticated:
-                self._owner._receive(self, frame.msg, frame.tensors)
-            else:
-                self._handshake(frame.msg)
+        self._rx.filled(nbytes)
+        try:
+            if self._opener is None:
+                self._handshake_bytes()
+            if self._opener is not None:
+                self._records()
+        except auth.HandshakeError as exc:
+            self._refuse(exc.reason, exc.kind)
+        except auth.RecordError as exc:
+            self._fail(f"bad record: {exc.reason}")
+        except WireError as exc:
+            self._fail(f"bad frame: {exc.reason}")
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -155,9 +206,9 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        self._owner._release(self)
         reason = f"connection lost ({exc})" if exc else "connection closed by peer"
-        refused = self._peer is not None and self._role == "client"  # we sent our proof, peer hung up
-        why = "handshake refused by peer (wrong swarm secret?)" if refused else f"{reason} during handshake"
+        why = "handshake refused by peer (wrong swarm secret?)" if self._confirming else f"{reason} during handshake"
         _settle(self.ready, ConnectionError(why))
         if self._drain_waiter is not None:
             _settle(self._drain_waiter, ConnectionError(reason))
@@ -173,61 +224,90 @@ class _Connection(asyncio.BufferedProtocol):
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_result(None)
 
-    # -- handshake (auth module docstring) ----------------------------------------------------
+    # -- handshake and records (auth module docstring) -----------------------------------------
 
-    def _handshake(self, msg: Message) -> None:
-        if isinstance(msg, auth.Hello) and self._peer is None:
-            self._peer = msg
-            if self._role == "client":
-                self._write(encode(auth.Proof(mac=self._mac("client")), (), self._owner.limits))
-        elif isinstance(msg, auth.Proof) and self._peer is not None:
-            peer_role: auth.Role = "server" if self._role == "client" else "client"
-            if not auth.verify_mac(self._owner.secret, peer_role, *self._hellos(), msg.mac):
-                log.warning("refused peer %s: bad swarm secret", self.addr)
-                self._fail("bad swarm secret", quiet=True)
+    def _closing(self) -> bool:
+        return self.closed.done() or self._transport is None or self._transport.is_closing()
+
+    def _handshake_bytes(self) -> None:
+        while self._opener is None and not self._closing():
+            if self._hs is None:
+                self._hs = self._owner._handshake("server")
+            used, out = self._hs.receive(self._rx.view())
+            if not used:
                 return
-            if self._role == "server":
-                self._write(encode(auth.Proof(mac=self._mac("server")), (), self._owner.limits))
+            self._rx.consume(used)
+            self.progress += 1
+            if out:
+                self._write_raw(out)
+            if self._hs.done:
+                self._start_session(self._hs)
+
+    def _start_session(self, hs: auth.Handshake) -> None:
+        self._sealer = auth.Sealer(hs.send_key)
+        self.peer_id = hs.peer_id
+        if self._role == "server":
+            self._opener = auth.Opener(hs.recv_key, self._rx)
+            self._write_raw(self._sealer.seal_one(b""))  # confirmation: the server knows the PSK too
             self._authenticated()
         else:
-            self._fail(f"bad frame: unexpected {msg.TYPE} in handshake")
+            self._opener = auth.Opener(hs.recv_key, self._rx, max_rx=auth.HANDSHAKE_BUFFER_BYTES)
+            self._confirming = True
+        self._hs = None
 
-    def _hellos(self) -> tuple[auth.Hello, auth.Hello]:
-        """(client hello, server hello) of this connection."""
-        assert self._peer is not None
-        return (self._mine, self._peer) if self._role == "client" else (self._peer, self._mine)
-
-    def _mac(self, role: auth.Role) -> bytes:
-        return auth.handshake_mac(self._owner.secret, role, *self._hellos())
+    def _records(self) -> None:
+        opener = self._opener
+        assert opener is not None
+        while not self._closing():
+            if self._confirming:
+                try:
+                    n = opener.open_next(None)
+                except auth.RecordError:
+                    raise auth.HandshakeError("bad swarm secret (confirmation failed)", "secret") from None
+                if n is None:
+                    return
+                if n:
+                    raise auth.HandshakeError("bad handshake: no confirmation record", "protocol")
+                self._confirming = False
+                opener.max_rx = auth.MAX_RX_BYTES
+                self._authenticated()
+                continue
+            assert self._decoder is not None
+            if opener.open_next(self._decoder) is None:
+                return
+            while not self._closing() and (frame := self._decoder.next_frame()) is not None:
+                self._owner._receive(self, frame.msg, frame.tensors)
 
     def _authenticated(self) -> None:
-        assert self._peer is not None
         if self._timer is not None:
             self._timer.cancel()
-        self.peer_id = self._peer.node_id
-        self._decoder.registry = self._owner.wire_registry
+        self._decoder = Decoder(registry=self._owner.wire_registry, limits=self._owner.limits)
         self.authenticated = True
+        self._owner._release(self)
         self.ready.set_result(None)
         log.debug("peer %s authenticated as node %s", self.addr, self.peer_id)
 
     # -- writing and closing ------------------------------------------------------------------
 
-    def _write(self, buffers: Sequence[bytes | memoryview]) -> None:
+    def _write_raw(self, data: bytes | memoryview) -> None:
         if self._transport is None or self._transport.is_closing():
             raise ConnectionError("connection closed")
-        for buf in buffers:  # one frame's buffers back to back: frames never interleave
-            self._transport.write(buf)
+        self._transport.write(data)
 
     def send_frame(self, buffers: Sequence[bytes | memoryview]) -> None:
-        """Queue one encoded frame (only on an authenticated connection)."""
-        if not self.authenticated:
+        """Queue one encoded frame as records (only on an authenticated connection)."""
+        if not self.authenticated or self._sealer is None:
             raise ConnectionError("not authenticated")
-        self._write(buffers)
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionError("connection closed")
+        corrupt = self._owner._take_corrupt(len(buffers) > 1)
+        for record in self._sealer.seal(list(buffers), corrupt=corrupt):  # records never interleave
+            self._transport.write(record)
 
     def reply(self, msg: Message) -> None:
         """Write a small runtime message back on this connection (a chunk ack); dropped if closed."""
         try:
-            self._write(encode(msg, (), self._owner.limits))
+            self.send_frame(encode(msg, (), self._owner.limits))
         except ConnectionError:
             pass
 
@@ -240,14 +320,27 @@ class _Connection(asyncio.BufferedProtocol):
                 self._drain_waiter = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._drain_waiter)
 
-    def _fail(self, reason: str, quiet: bool = False) -> None:
-        if not quiet:
-            who = f" (node {self.peer_id})" if self.peer_id else ""
-            log.warning("dropped peer %s%s: %s", self.addr, who, reason)
+    def _refuse(self, reason: str, kind: str) -> None:
+        """Before authentication: one rate-limited warning, then close."""
+        if self._closing():
+            return
+        self._owner._refusals.refused(self.addr, self.host, kind, reason, asyncio.get_running_loop().time())
+        _settle(self.ready, ConnectionError(reason))
+        self.abort()
+
+    def _fail(self, reason: str) -> None:
+        """After authentication: a warning naming the peer, then close."""
+        if not self.authenticated:
+            self._refuse(reason, "record")
+            return
+        if self._closing():
+            return
+        log.warning("dropped peer %s (node %s): %s", self.addr, self.peer_id, reason)
         _settle(self.ready, ConnectionError(reason))
         self.abort()
 
     def abort(self) -> None:
+        self._owner._release(self)
         if self._transport is not None:
             self._transport.abort()
 
@@ -255,10 +348,18 @@ class _Connection(asyncio.BufferedProtocol):
 class Transport:
     """Listens for peers, sends frames to peers, hands inbound frames to `on_frame`.
 
-    Usage: `t = Transport(node_id, secret, on_frame, cfg)`; `addr = await t.start(host, port)`;
-    `await t.send(addr, msg, tensors)`; `await t.close()`. `node_id` may be reassigned after
-    `start` as long as no connection exists yet (it goes into each connection's HELLO).
+    Usage: `t = Transport(node_id, secret, on_frame, cfg, static_key=key)`; `addr = await
+    t.start(host, port)`; `await t.send(addr, msg, tensors)`; `await t.close()`. `static_key` is
+    the node's 32-byte X25519 private key (`keys.load_or_create_key`); `node_id` must embed its
+    fingerprint (`t.fingerprint`, `NAME~FINGERPRINT/...`) or peers refuse it. `node_id` may be
+    reassigned after `start` as long as no connection exists yet (it goes into each handshake).
     """
+
+    MAX_UNAUTHENTICATED = 256  # accepted connections still in their handshake, all hosts together
+    MAX_UNAUTHENTICATED_PER_HOST = 64  # ... from one host; past either cap the OLDEST one is dropped
+    HARD_CAP_FACTOR = 8  # past 8 x the global cap, connections are dropped without waiting for a sweep
+    CAP_GRACE_S = 0.02  # period of the sweep that enforces the caps while they are exceeded
+    LISTEN_BACKLOG = 1024
 
     def __init__(
         self,
@@ -267,9 +368,15 @@ class Transport:
         on_frame: OnFrame,
         cfg: RuntimeConfig | None = None,
         registry: Mapping[str, type[Message]] | None = None,
+        *,
+        static_key: bytes,
     ) -> None:
         self.node_id = node_id
-        self.secret = secret
+        self._psk = keys.psk_of(secret)  # the secret itself is not kept
+        if len(static_key) != keys.KEY_BYTES:
+            raise ValueError(f"static_key must be {keys.KEY_BYTES} bytes")
+        self._static_key = static_key
+        self.fingerprint = keys.fingerprint(keys.public_of(static_key))
         self.cfg = cfg or RuntimeConfig()
         self.limits = Limits(max_frame_bytes=self.cfg.max_frame_bytes)
         self.registry: Mapping[str, type[Message]] = MESSAGE_TYPES if registry is None else registry
@@ -285,9 +392,35 @@ class Transport:
         self._out: dict[str, _Connection] = {}  # authenticated outbound connections by address
         self._connecting: dict[str, asyncio.Task[_Connection]] = {}
         self._conns_all: set[_Connection] = set()
+        self._unauth: OrderedDict[_Connection, None] = OrderedDict()  # accepted, not yet authenticated
+        self._unauth_by_host: dict[str, OrderedDict[_Connection, None]] = {}
+        self._refusals = RefusalLog()
+        self._sweep: asyncio.TimerHandle | None = None
+        self._generation = 0  # sweeps so far
+        self._corrupt_next = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.address = ""
+
+    @classmethod
+    def with_new_key(cls, name: str, secret: bytes, on_frame: OnFrame, cfg: RuntimeConfig | None = None,
+                     registry: Mapping[str, type[Message]] | None = None) -> Transport:
+        """A transport with a fresh static key and the id `NAME~FINGERPRINT` (probes, benchmarks,
+        tests; a node keeps its key in a file, `runtime.node`)."""
+        t = cls("?", secret, on_frame, cfg, registry, static_key=keys.new_private_key())
+        t.node_id = f"{name}{keys.ID_KEY_SEP}{t.fingerprint}"
+        return t
+
+    def corrupt_next_frame(self) -> None:
+        """Fault injection for tests (`runtime.chaos`): the next outgoing frame that carries a
+        tensor body gets one ciphertext bit flipped after encryption, so its receiver must refuse
+        it and close that connection. Never set by the transport itself."""
+        self._corrupt_next = True
+
+    @property
+    def unauthenticated(self) -> int:
+        """Accepted connections still in their handshake."""
+        return len(self._unauth)
 
     @property
     def port(self) -> int:
@@ -297,7 +430,8 @@ class Transport:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen on host:port (0 = any free port); return the bound "host:port"."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self, "server"), host, port)
+        self._server = await loop.create_server(lambda: _Connection(self, "server"), host, port,
+                                                backlog=self.LISTEN_BACKLOG)
         sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
         self.address = f"{sock_host}:{sock_port}"
         log.info("listening on %s as node %s", self.address, self.node_id)
@@ -360,6 +494,8 @@ class Transport:
         self._closed = True
         if self._expiry is not None:
             self._expiry.cancel()
+        if self._sweep is not None:
+            self._sweep.cancel()
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):
@@ -411,6 +547,68 @@ class Transport:
                 conn.abort()
             raise
         return conn
+
+    def _handshake(self, role: auth.Role) -> auth.Handshake:
+        return auth.Handshake(role, self._static_key, self._psk, self.node_id)
+
+    def _take_corrupt(self, has_body: bool) -> bool:
+        if has_body and self._corrupt_next:
+            self._corrupt_next = False
+            return True
+        return False
+
+    def _admit(self, conn: _Connection) -> None:
+        """Count an accepted connection against the caps (docs/wire.md, "Limits before authentication").
+
+        The caps are enforced by a sweep every CAP_GRACE_S while they are exceeded, and only on
+        connections admitted before the previous sweep: every connection then had at least one
+        turn of the loop to deliver its first handshake message. The sweep drops the oldest that
+        did not, then the oldest; an honest peer sends its first message at once, so a flood of
+        idle sockets from its own address cannot push it out. Past HARD_CAP_FACTOR x the global
+        cap, the oldest idle ones go at once, whatever their age.
+        """
+        conn.generation = self._generation
+        self._unauth[conn] = None
+        self._unauth_by_host.setdefault(conn.host, OrderedDict())[conn] = None
+        excess = len(self._unauth) - self.HARD_CAP_FACTOR * self.MAX_UNAUTHENTICATED
+        if excess > 0:
+            self._drop_oldest(self._unauth, excess, self._generation + 1)
+        if self._sweep is None and not self._closed:
+            self._sweep = asyncio.get_running_loop().call_later(self.CAP_GRACE_S, self._sweep_caps)
+
+    def _sweep_caps(self) -> None:
+        self._sweep = None
+        self._generation += 1
+        ripe = self._generation - 1  # admitted before the previous sweep
+        for host in list(self._unauth_by_host):
+            pool = self._unauth_by_host.get(host)
+            if pool is not None:
+                self._drop_oldest(pool, len(pool) - self.MAX_UNAUTHENTICATED_PER_HOST, ripe)
+        self._drop_oldest(self._unauth, len(self._unauth) - self.MAX_UNAUTHENTICATED, ripe)
+        if len(self._unauth) > min(self.MAX_UNAUTHENTICATED, self.MAX_UNAUTHENTICATED_PER_HOST):
+            self._sweep = asyncio.get_running_loop().call_later(self.CAP_GRACE_S, self._sweep_caps)
+
+    def _drop_oldest(self, pool: OrderedDict[_Connection, None], excess: int, ripe: int) -> None:
+        """Drop up to `excess` connections of `pool` admitted before generation `ripe`: the
+        oldest that have not sent a whole handshake message first, then the oldest."""
+        if excess <= 0:
+            return
+        old = [c for c in pool if c.generation < ripe]
+        idle = [c for c in old if not c.progress][:excess]
+        victims = idle + [c for c in old if c.progress][: excess - len(idle)]
+        for victim in victims:
+            self._release(victim)
+            victim._refuse("too many unauthenticated connections: dropped the oldest", "cap")
+
+    def _release(self, conn: _Connection) -> None:
+        """`conn` is authenticated or gone: it no longer counts against the caps."""
+        if conn in self._unauth:
+            del self._unauth[conn]
+            mine = self._unauth_by_host.get(conn.host)
+            if mine is not None:
+                mine.pop(conn, None)
+                if not mine:
+                    del self._unauth_by_host[conn.host]
 
     def _forget(self, conn: _Connection) -> None:
         self._conns_all.discard(conn)
