@@ -1,4 +1,5 @@
-"""Fault injection for deterministic chaos tests: a node kills itself at a named protocol point.
+"""Fault injection for deterministic chaos tests: a node kills itself (or corrupts one frame it
+sends) at a named protocol point.
 
 Owns: the fault spec grammar (`runtime.fault` in the config, or `$GWTF_FAULT`), its parser and the
 matcher the node driver consults before it executes a compute job or writes a record. Killing is
@@ -8,7 +9,11 @@ outside), after the driver has flushed its record log so the exactly-once ledger
 Grammar (one fault per node; fields after the point are optional filters, all must match):
 
     kill:<point>[:iter=N][:from=N][:mb=K][:stage=S][:after=C]
+    flip:<point>[...the same filters]
 
+- `kill` SIGKILLs the node; `flip` (once) flips one ciphertext bit of the next frame with a
+  tensor body the node sends (`Transport.corrupt_next_frame`): the receiver must refuse the
+  frame and close that connection, and the swarm must recover the lost message.
 - `point`: a compute kind (`embed`, `forward`, `loss`, `backward`, `embed_backward`, `step`, ...),
   `aggregate` (the node is about to send or apply its stage's aggregation), or any record event
   name the protocol core emits. `any` matches every point.
@@ -30,6 +35,7 @@ from gwtf.errors import UserError
 
 FAULT_ENV = "GWTF_FAULT"
 KILL_EXIT_CODE = 137  # what a shell reports for a process killed by SIGKILL
+ACTIONS = ("kill", "flip")
 AGGREGATION_POINTS = frozenset({"aggregate", "aggregation", "grad_share", "step"})
 
 
@@ -72,8 +78,9 @@ def parse_fault(text: str) -> FaultSpec | None:
     if not text:
         return None
     parts = text.split(":")
-    if len(parts) < 2 or parts[0] != "kill" or not parts[1]:
-        raise UserError(f"runtime.fault {text!r}: expected kill:<point>[:iter=N][:from=N][:mb=K][:stage=S][:after=C]")
+    if len(parts) < 2 or parts[0] not in ACTIONS or not parts[1]:
+        raise UserError(f"runtime.fault {text!r}: expected kill|flip:<point>[:iter=N][:from=N][:mb=K][:stage=S]"
+                        "[:after=C]")
     values: dict[str, int] = {}
     for part in parts[2:]:
         key, sep, raw = part.partition("=")

@@ -449,7 +449,11 @@ class NodeRuntime:
         it, mb, stage = fields.get("iteration"), fields.get("index"), fields.get("stage")
         if self.fault.matches(point, it if isinstance(it, int) else None, mb if isinstance(mb, int) else None,
                               stage if isinstance(stage, int) else None):
-            self.record("fault", point=point, iteration=it, index=mb, stage=stage)
+            self.record("fault", point=point, iteration=it, index=mb, stage=stage, action=self.fault.action)
+            if self.fault.action == "flip":  # once: the next tensor frame sent carries a flipped bit
+                self.fault = None
+                self.transport.corrupt_next_frame()
+                return
             self.records.close()
             sys.stdout.flush()
             kill_self()
