@@ -380,6 +380,8 @@ class AggregationMixin(CoreState):
         return []
 
     def on_rollback(self, sender: NodeId, msg: Rollback, now: float) -> list[Effect]:
+        held = self.version == msg.version  # our weights are that version already (e.g. a joiner
+        # that just imported it): nothing to load, and our own disk may not even hold it
         self._clear_iteration()
         self.pending_fwd.clear()
         self.version = msg.version
@@ -390,6 +392,8 @@ class AggregationMixin(CoreState):
         self.have_round = NONE
         if not self.active:
             return []
+        if held:
+            return [record("rollback_node", node=self.me.id, version=msg.version, held=True), FreeIteration(10**9)]
         job = self.job("load_checkpoint", msg.version)
         size = self.train.stage_state_bytes[self.me.stage]
         key = ("state", self.me.stage, msg.version, "checkpoint")

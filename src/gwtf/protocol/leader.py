@@ -74,6 +74,8 @@ class LeaderState:
     waiting: set[NodeId] = field(default_factory=set)  # joiners ready for an older version
     reassigned: dict[NodeId, int] = field(default_factory=dict)  # joiner told to join again -> the lost stage
     ready: dict[NodeId, PeerInfo] = field(default_factory=dict)  # waiting joiners as their Ready described them
+    ready_version: dict[NodeId, int] = field(default_factory=dict)  # ... and the version each holds
+    restored: dict[int, int] = field(default_factory=dict)  # paused: lost stage -> lowest version restored
     lost_from: int = NONE  # the iteration at which a stage was lost (paused)
     commits: dict[int, Commit] = field(default_factory=dict)  # stage -> the Commit of the current round
     contributors: set[NodeId] = field(default_factory=set)
@@ -178,7 +180,7 @@ class LeaderMixin(CoreState):
                         and j not in self.directory:
                     self.lead.waiting.discard(j)
                     self.pending_joiners.discard(j)  # type: ignore[attr-defined]
-                    out += self._activate(j, info, now)
+                    out += self._activate(j, info, now, self.lead.ready_version.get(j, NONE))
             return out
         return []
 
@@ -372,7 +374,7 @@ class LeaderMixin(CoreState):
         self.pending_joiners.discard(sender)  # type: ignore[attr-defined]
         self.last_hb[sender] = now  # type: ignore[attr-defined]
         if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):
-            return self._activate(sender, from_tuple(msg.peer), now)
+            return self._activate(sender, from_tuple(msg.peer), now, msg.version)
         if self.lead.phase == Phase.ADMIT and msg.version == self.lead.t:
             self.lead.admitting.discard(sender)
             self.lead.refetches.pop(sender, None)
@@ -381,12 +383,19 @@ class LeaderMixin(CoreState):
         self.pending_joiners.add(sender)  # type: ignore[attr-defined]
         self.lead.waiting.add(sender)
         self.lead.ready[sender] = from_tuple(msg.peer)
+        self.lead.ready_version[sender] = msg.version
         return []
 
-    def _activate(self, pid: NodeId, info: PeerInfo, now: float) -> list[Effect]:
+    def _activate(self, pid: NodeId, info: PeerInfo, now: float, version: int = NONE) -> list[Effect]:
         # a member is counted by the directory now: a pending assignment left behind would count
         # its capacity again once it dies (and hide a lost stage from the next joiner)
         self.pending_stage.pop(pid, None)  # type: ignore[attr-defined]
+        if self.lead.phase == Phase.PAUSED and version != NONE and 0 < info.stage < self.S \
+                and not self._stage_members()[info.stage]:
+            # it restores a lost stage: the swarm can roll back no later than the state it holds
+            # (the stage's newest checkpoint may never have been written: its last replica died
+            # after the step, before the checkpoint, e.g. while exporting its state to a joiner)
+            self.lead.restored[info.stage] = min(self.lead.restored.get(info.stage, version), version)
         self._dir_set(info)  # type: ignore[attr-defined]
         out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.lead.t)]
         out += self._broadcast(MemberUp(term=self.term, peer=to_tuple(info)), include_self=False)
@@ -402,6 +411,10 @@ class LeaderMixin(CoreState):
 
     def _resume(self, now: float) -> list[Effect]:
         ckpt = self.lead.lost_from - self.lead.lost_from % self.cfg.checkpoint_every
+        if self.lead.restored:  # the oldest state a restored stage holds bounds the rollback
+            held = min(self.lead.restored.values())
+            ckpt = min(ckpt, held - held % self.cfg.checkpoint_every)
+            self.lead.restored.clear()
         out: list[Effect] = [record("rollback", lost_from=self.lead.lost_from, version=ckpt,
                                     lost_iterations=self.lead.lost_from - ckpt)]
         out += self._broadcast(Rollback(term=self.term, version=ckpt, lost_from=self.lead.lost_from), include_self=True)

@@ -143,3 +143,37 @@ def test_a_data_holder_answers_a_checkpoint_request_from_disk_and_refuses_when_i
     (no,) = [e.msg for e in relay.on_message("j", m.StateRequest(stage=2, checkpoint=2), h.now)
              if isinstance(e, Send)]
     assert isinstance(no, m.StateTransfer) and not no.ok
+
+
+def test_the_rollback_goes_no_later_than_the_state_a_restored_stage_holds() -> None:
+    """Run 5 of the integration loop: stage 1's last replica died after step 65 but before its
+    checkpoint 65 existed (it was exporting its state to a joiner); the joiner restored
+    checkpoint 60 from a data holder, yet the leader rolled back to 65, which the joiner then
+    failed to load (exit 5). The rollback must not pass the version a restored stage holds."""
+    h = _swarm(iterations=12)
+    h.run(60.0, stop=lambda: any(f["iteration"] == 5 for f in h.events("iteration_done")))
+    h.crash("b0")  # stage 2's only replica
+    h.run(h.now + 30.0, stop=lambda: bool(h.events("stage_lost")))
+    lost_from = h.events("stage_lost")[0]["iteration"]
+    newest = lost_from // EVERY * EVERY
+    assert newest >= 2 * EVERY, lost_from
+    held = newest - EVERY  # the only copy of stage 2 the joiner could get
+    joiner = NodeCore(PeerInfo(id="j", stage=2, region="r", compute_s=0.1, capacity=4), h.cfg, h.train,
+                      random.Random(1))
+    h.cores["j"] = joiner
+    ready = m.Ready(stage=2, version=held, peer=("j", 2, "r", 0.1, 4, 0))
+    h.apply("d0", h.cores["d0"].on_message("j", ready, h.now))
+    rollbacks = h.events("rollback")
+    assert rollbacks and rollbacks[-1]["version"] == held, (rollbacks, newest)
+
+
+def test_a_node_already_at_the_rollback_version_loads_nothing() -> None:
+    h = _swarm(iterations=8)
+    h.run(60.0, stop=lambda: any(f["iteration"] == 2 for f in h.events("iteration_done")))
+    relay = h.cores["a0"]
+    at = relay.version
+    out = relay.on_message("d0", m.Rollback(term=relay.term, version=at, lost_from=at), h.now)
+    assert not [e for e in out if isinstance(e, m.Compute) and e.kind == "load_checkpoint"]
+    assert relay.version == at
+    out = relay.on_message("d0", m.Rollback(term=relay.term, version=at - 1, lost_from=at), h.now)
+    assert [e.kind for e in out if isinstance(e, m.Compute)] == ["load_checkpoint"]
