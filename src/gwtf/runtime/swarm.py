@@ -79,8 +79,11 @@ def churn_iterations(kind: str, iterations: int, rng: random.Random) -> list[int
         return [rng.randint(1, max(1, iterations // 2))]
     if kind == "high":
         every = max(2, iterations // 5)
-        # the last kill leaves its joiner a whole period to join and serve before the run ends
-        return list(range(rng.randint(1, every), max(2, iterations - every), every))
+        # the last kill leaves its joiner one and a half periods to join and serve before the run
+        # ends: a join takes seconds whatever the iteration time (two state fetches when the first
+        # goes stale), and a period of short iterations on a loaded machine was not enough
+        last = max(2, iterations - every - every // 2)
+        return list(range(rng.randint(1, max(1, every // 2)), last, every))
     raise ValueError(f"unknown churn {kind!r} (none, low, high)")
 
 
