@@ -42,7 +42,7 @@ def _wait(what: str, ok: Callable[[], bool], timeout_s: float, log: Path) -> flo
 
 def _evicted(out: Path, name: str) -> bool:
     """Some node (the leader) recorded the eviction of `name`."""
-    return any(row.get("event") == "evict" and str(row.get("node", "")).startswith(name + "/")
+    return any(row.get("event") == "evict" and str(row.get("node", "")).startswith(name + "~")  # NAME~FINGERPRINT/...
                for path in (out / "nodes").glob("*/records.jsonl") for row in read_jsonl(path))
 
 
