@@ -581,6 +581,8 @@ class MembershipMixin(CoreState):
             return []
         util = msg.utilisation
         self.assigned_stage = msg.stage
+        members = list(map(from_tuple, msg.members))
+        self.directory = {i.id: i for i in members}  # what a policy's stage choice may look at (SWARM)
         stage = self.choose_join_stage(util)
         self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / self.speed_flops_per_s)
         factory = getattr(self, "router_factory", None)
@@ -590,7 +592,6 @@ class MembershipMixin(CoreState):
             set_me = getattr(self.router, "set_me", None)
             if set_me is not None:
                 set_me(self.me)
-        members = list(map(from_tuple, msg.members))
         self.directory = {i.id: i for i in members if self.keeps(i)}
         self.directory[self.me.id] = self.me
         self.dhs_cache = None

@@ -135,3 +135,29 @@ def test_rebalancing_counts_the_network_time_of_each_peer() -> None:
                _p("t3", 3, 1.0), _p("t4", 3, 1.0)]
     assert plan_move(members, FLOPS) == ("t1", 1)
     assert plan_move(members, FLOPS, {"x": 3.75}) == ("t1", 2)
+
+
+def test_a_swarm_joiner_refills_a_lost_stage_other_than_stage_1() -> None:
+    """Issue 16: `on_welcome` chose the stage before it filled the directory from the Welcome,
+    so SWARM's rule (the relay stage with the least throughput) saw no members and every
+    SWARM joiner took stage 1; a lost stage 2 was never refilled."""
+    from dataclasses import replace
+
+    from core_harness import TRAIN
+
+    from gwtf.config import ProtocolConfig
+    from gwtf.protocol import messages as m
+    from gwtf.protocol.swarm import SwarmCore
+
+    train = replace(TRAIN, stages=4, stage_flops=(1.0,) * 4, stage_state_bytes=(3000,) * 4,
+                    stage_grad_bytes=(1000,) * 4)
+    j = SwarmCore(PeerInfo(id="j", stage=-1, region="r", compute_s=0.1, capacity=4), ProtocolConfig(), train,
+                  random.Random(1))
+    j.on_start(0.0, [PeerInfo(id="d0", stage=-1, region="r", compute_s=0.1, capacity=1)])
+    members = (("d0", 0, "r", 0.1, 4, 2), ("a0", 1, "r", 0.1, 4, 0), ("a1", 1, "r", 0.1, 4, 0),
+               ("c0", 3, "r", 0.1, 4, 0))  # stage 2 has no replica left
+    welcome = m.Welcome(term=0, stage=1, members=members, utilisation=(1.0, 1.0, 1e9, 1.0), iteration=3,
+                        checkpoint_iteration=0)
+    out = j.on_message("d0", welcome, 0.1)
+    assert j.me.stage == 2, [getattr(e, "fields", None) for e in out if getattr(e, "event", "") == "join_stage"]
+    assert set(j.directory) == {"d0", "a0", "a1", "c0", "j"}  # relays keep stages 1-3 of 4 and the data holders
