@@ -69,3 +69,13 @@ def test_a_swarm_joiner_sent_to_its_own_lost_stage_is_activated() -> None:
     summary, _ = run_scenario(load_scenario(None, random_schedule(50220)), 50220, "swarm")
     assert summary["invariant_violations"] == 0, summary["violations"][:3]
     assert summary["finished"], summary["stop_reason"]
+
+
+def test_a_restarted_microbatch_passes_replicas_that_counted_it_already() -> None:
+    """Fresh SWARM seed 650951: a data holder restarted a microbatch whose backward had been lost
+    below stages that had counted it; each restart's chain ended at the first replica that had
+    counted it (a duplicate, it assumed), so stage 1 never counted it and the iteration never
+    finished. Such a replica now passes its cached input gradient down the chain."""
+    summary, _ = run_scenario(load_scenario(None, random_schedule(650951)), 650951, "swarm")
+    assert summary["invariant_violations"] == 0, summary["violations"][:3]
+    assert summary["finished"], summary["stop_reason"]

@@ -223,8 +223,7 @@ class TrainingMixin(CoreState):
         pos = self.me.stage
         out: list[Effect] = []
         if msg.mb in self.contributed:
-            # end of an aggregation redo chain, or a duplicate: counted once already
-            return [self.send(sender, BackAck(mb=msg.mb, final=True))]
+            return self._backward_counted(sender, msg, pos, now)
         if pos == 0:
             o = self.origins.get(msg.mb)
             if o is None:
@@ -249,6 +248,28 @@ class TrainingMixin(CoreState):
         job = self.job("backward", (leg.n, msg.path, msg.legs, gkey, sender))
         return out + [Compute(job, "backward", pos, leg.mb, flops, (leg.in_key, leg.out_key, msg.key),
                               (gkey,))]
+
+    def _backward_counted(self, sender: NodeId, msg: Backward, pos: int, now: float) -> list[Effect]:
+        """A backward for a microbatch this node has counted already. A duplicate, or the end of
+        an aggregation redo chain at its holder, ends here. But a chain whose forward passed
+        through this node (a data holder's restart of the whole microbatch, say) may still owe
+        the stages before this one their contribution: pass the input gradient this node
+        cached when it counted the microbatch (same weights, same activation: the same
+        gradient) down the chain, counting nothing again (seed 650951: every restart ended at
+        a replica that had counted it, and the iteration never finished)."""
+        final = [self.send(sender, BackAck(mb=msg.mb, final=True))]
+        cached = self.grad_cache.get(msg.mb)
+        leg = self.legs.get(msg.legs[pos]) if 0 < pos and len(msg.legs) == self.S else None
+        if cached is None or leg is None or leg.mb != msg.mb or leg.phase in ("bwd", "done") \
+                or msg.path[:pos] != leg.path:
+            return final
+        if leg.phase == "gradwait":
+            final.append(self.cancel(("gget", leg.n)))
+        elif leg.next:
+            self.release(leg.next)
+        leg.phase = "done"
+        return final + [record("grad_passed_on", node=self.me.id, mb=msg.mb)] + \
+            self._send_grad(msg.mb, msg.path, msg.legs, pos, cached[0], now)
 
     # ---- compute completions ------------------------------------------------------------
 
