@@ -397,3 +397,42 @@ def test_a_session_key_pair_matches_across_the_handshake() -> None:
     assert m2b[:34] != m2[:34]  # a fresh ephemeral key: a recorded message 3 cannot fit this one
     with pytest.raises(auth.HandshakeError, match="bad swarm secret"):
         again.receive(memoryview(m3))
+
+
+class _Pending:
+    """A stand-in for an accepted connection in its handshake (what the cap sweep looks at)."""
+
+    def __init__(self, host: str, generation: int, progress: int) -> None:
+        self.host, self.generation, self.progress = host, generation, progress
+        self.refused = ""
+
+    def _refuse(self, reason: str, kind: str) -> None:
+        self.refused = kind
+
+
+def test_the_cap_sweep_drops_idle_sockets_only_never_a_handshake_in_progress() -> None:
+    """CI run of 43f08ea: a flood reconnecting from the honest peer's own address kept most of
+    the per-host pool too young to sweep; the sweep then dropped the oldest mid-handshake
+    connection, the honest peer's ("handshake refused by peer"). Now it drops idle ones only."""
+    from collections import OrderedDict
+
+    async def main() -> None:
+        server = await node("s", Inbox())
+        server.MAX_UNAUTHENTICATED_PER_HOST = 4  # type: ignore[misc]
+        host = "127.0.0.1"
+        honest = _Pending(host, generation=0, progress=1)  # sent message 1, its loop is slow
+        idle = [_Pending(host, 0, 0) for _ in range(4)]
+        young = [_Pending(host, 1, 0) for _ in range(20)]  # accepted after the last sweep
+        for c in (honest, *idle, *young):
+            server._unauth[c] = None  # type: ignore[index]
+            server._unauth_by_host.setdefault(host, OrderedDict())[c] = None  # type: ignore[index]
+        server._generation = 1
+        server._sweep_caps()
+        assert [c.refused for c in idle] == ["cap"] * 4
+        assert honest.refused == "" and honest in server._unauth  # type: ignore[comparison-overlap]
+        assert not any(c.refused for c in young)
+        server._unauth.clear()
+        server._unauth_by_host.clear()
+        await server.close()
+
+    run(main)

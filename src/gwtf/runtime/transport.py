@@ -583,19 +583,23 @@ class Transport:
         for host in list(self._unauth_by_host):
             pool = self._unauth_by_host.get(host)
             if pool is not None:
-                self._drop_oldest(pool, len(pool) - self.MAX_UNAUTHENTICATED_PER_HOST, ripe)
-        self._drop_oldest(self._unauth, len(self._unauth) - self.MAX_UNAUTHENTICATED, ripe)
+                # a connection mid-handshake (an honest peer's, on a loaded loop) is left to its
+                # deadline: the sweeps drop idle sockets only; the hard cap bounds the rest
+                self._drop_oldest(pool, len(pool) - self.MAX_UNAUTHENTICATED_PER_HOST, ripe, idle_only=True)
+        self._drop_oldest(self._unauth, len(self._unauth) - self.MAX_UNAUTHENTICATED, ripe, idle_only=True)
         if len(self._unauth) > min(self.MAX_UNAUTHENTICATED, self.MAX_UNAUTHENTICATED_PER_HOST):
             self._sweep = asyncio.get_running_loop().call_later(self.CAP_GRACE_S, self._sweep_caps)
 
-    def _drop_oldest(self, pool: OrderedDict[_Connection, None], excess: int, ripe: int) -> None:
+    def _drop_oldest(self, pool: OrderedDict[_Connection, None], excess: int, ripe: int,
+                     idle_only: bool = False) -> None:
         """Drop up to `excess` connections of `pool` admitted before generation `ripe`: the
-        oldest that have not sent a whole handshake message first, then the oldest."""
+        oldest that have not sent a whole handshake message first, then (unless `idle_only`)
+        the oldest."""
         if excess <= 0:
             return
         old = [c for c in pool if c.generation < ripe]
         idle = [c for c in old if not c.progress][:excess]
-        victims = idle + [c for c in old if c.progress][: excess - len(idle)]
+        victims = idle if idle_only else idle + [c for c in old if c.progress][: excess - len(idle)]
         for victim in victims:
             self._release(victim)
             victim._refuse("too many unauthenticated connections: dropped the oldest", "cap")
