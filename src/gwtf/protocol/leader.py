@@ -73,8 +73,7 @@ class LeaderState:
     pending: dict[Contrib, float] = field(default_factory=dict)  # aggregation redo chain -> deadline
     waiting: set[NodeId] = field(default_factory=set)  # joiners ready for an older version
     reassigned: dict[NodeId, int] = field(default_factory=dict)  # joiner told to join again -> the lost stage
-    ready: dict[NodeId, PeerInfo] = field(default_factory=dict)  # waiting joiners as their Ready described them
-    ready_version: dict[NodeId, int] = field(default_factory=dict)  # ... and the version each holds
+    ready: dict[NodeId, tuple[PeerInfo, int]] = field(default_factory=dict)  # waiting joiner -> its Ready (peer, version)
     restored: dict[int, int] = field(default_factory=dict)  # paused: lost stage -> lowest version restored
     lost_from: int = NONE  # the iteration at which a stage was lost (paused)
     commits: dict[int, Commit] = field(default_factory=dict)  # stage -> the Commit of the current round
@@ -174,13 +173,13 @@ class LeaderMixin(CoreState):
             # paused swarm activates every Ready joiner; the rollback reloads their state)
             horizon = now - self.cfg.evict_after_s
             for j in sorted(self.lead.waiting):
-                info = self.lead.ready.get(j)
+                info, version = self.lead.ready.get(j, (None, NONE))
                 heard = self.last_hb.get(j)  # type: ignore[attr-defined]
                 if info is not None and heard is not None and heard >= horizon and self.lead.phase == Phase.PAUSED \
                         and j not in self.directory:
                     self.lead.waiting.discard(j)
                     self.pending_joiners.discard(j)  # type: ignore[attr-defined]
-                    out += self._activate(j, info, now, self.lead.ready_version.get(j, NONE))
+                    out += self._activate(j, info, now, version)
             return out
         return []
 
@@ -382,8 +381,7 @@ class LeaderMixin(CoreState):
             return out + (self._begin(self.lead.t, now) if not self.lead.admitting else [])
         self.pending_joiners.add(sender)  # type: ignore[attr-defined]
         self.lead.waiting.add(sender)
-        self.lead.ready[sender] = from_tuple(msg.peer)
-        self.lead.ready_version[sender] = msg.version
+        self.lead.ready[sender] = (from_tuple(msg.peer), msg.version)
         return []
 
     def _activate(self, pid: NodeId, info: PeerInfo, now: float, version: int = NONE) -> list[Effect]:
