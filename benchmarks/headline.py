@@ -30,12 +30,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from gwtf.protocol.ledger import TrainParams
-from gwtf.protocol.router import PeerInfo, Router
-from gwtf.protocol.simple_router import GreedyRouter
+from gwtf.protocol.systems import System, get_system
 from gwtf.sim.plots import RunPlotData, write_plots
 from gwtf.sim.scenario import ScenarioConfig, load_scenario
-from gwtf.sim.simulator import Simulator, System, get_system
+from gwtf.sim.simulator import Simulator
 
 SYSTEMS = ("gwtf", "swarm")
 FAMILIES = ("gpt", "llama")
@@ -67,19 +65,9 @@ def scenario_overrides(family: str, churn: str, iterations: int, extra: list[str
 
 
 def system_for(name: str, sc: ScenarioConfig) -> System:
-    """The named system; a joiner (stage -1, before it picks a stage) gets a placeholder router.
-
-    The flow router refuses a node without a stage, and NodeCore rebuilds the router once the
-    joiner has chosen its stage, so the placeholder never routes anything.
-    """
-    base = get_system(name, sc)
-
-    def router(me: PeerInfo, train: TrainParams, s: ScenarioConfig) -> Router:
-        if me.stage < 0:
-            return GreedyRouter(me, train.stages, train.activation_bytes)
-        return base.router(me, train, s)
-
-    return System(base.policy, router, base.core)
+    """The named system (a joiner's placeholder router before it picks a stage is
+    `gwtf.protocol.systems.build_core`'s)."""
+    return get_system(name, sc.protocol)
 
 
 def run_one(job: tuple[str, str, int, str, int, list[str], str]) -> dict[str, Any]:

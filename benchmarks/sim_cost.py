@@ -32,11 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import gc, json, sys, time
 from gwtf.sim.scenario import load_scenario
-from gwtf.sim.simulator import Simulator, _quiet_gc, get_system
+from gwtf.protocol.systems import get_system
+from gwtf.sim.simulator import Simulator, _quiet_gc
 mode, path = sys.argv[1], sys.argv[2]
 seed, warmup, iterations = (int(a) for a in sys.argv[3:6])
 sc = load_scenario(path, [f"train.iterations={warmup + iterations + 1}"])
-sim = Simulator(sc, seed, get_system("gwtf", sc))
+sim = Simulator(sc, seed, get_system("gwtf", sc.protocol))
 pc = time.perf_counter
 cost, count = {}, {}
 

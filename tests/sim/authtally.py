@@ -14,8 +14,9 @@ from typing import Any
 
 from faultgen import random_schedule
 
+from gwtf.protocol.systems import get_system
 from gwtf.sim.scenario import load_scenario
-from gwtf.sim.simulator import Simulator, get_system
+from gwtf.sim.simulator import Simulator
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     for seed in range(args.first, args.first + args.seeds):
         sc = load_scenario(None, random_schedule(seed) + args.extra)
-        sim = Simulator(sc, seed, get_system(args.system, sc))
+        sim = Simulator(sc, seed, get_system(args.system, sc.protocol))
         original = sim._record
 
         def record(node: str, r: Any, now: float, sim: Simulator = sim, seed: int = seed,

@@ -12,9 +12,10 @@ from faultgen import random_schedule
 
 from gwtf.protocol.messages import Record
 from gwtf.protocol.rebalance import GwtfCore
+from gwtf.protocol.systems import get_system
 from gwtf.runtime.tensor_sim import run_with_tensors
 from gwtf.sim.scenario import load_scenario
-from gwtf.sim.simulator import Simulator, get_system
+from gwtf.sim.simulator import Simulator
 
 setup = rt.setup  # the real-tensor module fixture (reference weights, no-churn run)
 BASE = ['model.preset="tiny"', "nodes.count=10", "nodes.data_holders=2", "model.stages=4",
@@ -23,7 +24,7 @@ BASE = ['model.preset="tiny"', "nodes.count=10", "nodes.data_holders=2", "model.
 
 def _run(extra: list[str], seed: int, base: list[str] = BASE) -> tuple[Simulator, dict[str, Any], list[dict[str, Any]]]:
     sc = load_scenario(None, base + extra)
-    sim = Simulator(sc, seed, get_system("gwtf", sc))
+    sim = Simulator(sc, seed, get_system("gwtf", sc.protocol))
     moves: list[dict[str, Any]] = []
     record = sim._record
 

@@ -10,8 +10,9 @@ import pytest
 from gwtf.errors import UserError
 from gwtf.protocol.aggregation import digest, tree_children, tree_parent
 from gwtf.protocol.messages import Commit, GradShare
+from gwtf.protocol.systems import get_system
 from gwtf.sim.scenario import load_scenario
-from gwtf.sim.simulator import Simulator, get_system, run_scenario
+from gwtf.sim.simulator import Simulator, run_scenario
 
 SHAPE = ['model.preset="tiny"', "model.seq_len=64", "model.microbatch_size=4", "model.stages=3",
          "nodes.count=26", "nodes.data_holders=2", "nodes.relay_capacity=[1, 3]", "train.iterations=3"]
@@ -57,7 +58,7 @@ def test_a_tree_parent_dying_with_the_gradient_forces_a_new_round() -> None:
     its children are still on its uplink and are lost. Without the leader's tree check it waited
     for their Have forever (a progress violation)."""
     sc = load_scenario(None, [*SHAPE, "protocol.reduce_fanout=2"])
-    sim = Simulator(sc, 1, get_system("gwtf", sc))
+    sim = Simulator(sc, 1, get_system("gwtf", sc.protocol))
     deliver, crashed = sim._deliver, []  # the crashed inner node
 
     def deliver_then_crash(src: str, dst: str, msg: object, left_s: float) -> None:

@@ -28,10 +28,11 @@ def test_thousand_nodes_two_iterations() -> None:
 def test_ten_thousand_nodes_start_in_linear_time() -> None:
     """Bounded views + the shared roster: starting scale-10k's 10,000 cores is O(N K), not
     O(N^2) (it was 185 s of CPU before; about 10 s now)."""
-    from gwtf.sim.simulator import Simulator, get_system
+    from gwtf.protocol.systems import get_system
+    from gwtf.sim.simulator import Simulator
 
     sc = load_scenario(SCENARIO.with_name("scale-10k.toml"), [])
-    sim = Simulator(sc, 1, get_system("gwtf", sc))
+    sim = Simulator(sc, 1, get_system("gwtf", sc.protocol))
     t0 = time.process_time()
     sim.start()
     cpu_s = time.process_time() - t0

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gwtf.protocol.systems import get_system
 from gwtf.sim.plots import RunPlotData, cumulative_microbatches, iteration_throughput, plot_data, write_plots
 from gwtf.sim.scenario import load_scenario
-from gwtf.sim.simulator import Simulator, get_system
+from gwtf.sim.simulator import Simulator
 
 ROWS = [{"end_s": 10.0, "duration_s": 10.0, "microbatches": 20},
         {"end_s": 15.0, "duration_s": 5.0, "microbatches": 20},
@@ -23,7 +24,7 @@ def test_write_plots_from_real_runs(tmp_path: Path) -> None:
                               "train.iterations=6", "churn.spare_leader=true"])
     runs = {}
     for name in ("gwtf", "swarm"):
-        sim = Simulator(sc, 1, get_system(name, sc))
+        sim = Simulator(sc, 1, get_system(name, sc.protocol))
         summary = sim.run()
         runs[name] = plot_data(sim, summary)
     runs["gwtf"] = RunPlotData(runs["gwtf"].summary, runs["gwtf"].rows, crash_times_s=(3.0,), join_times_s=(5.0,))

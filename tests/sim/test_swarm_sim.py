@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from gwtf.protocol.messages import Compute, Record
+from gwtf.protocol.systems import get_system
 from gwtf.sim.scenario import ScenarioConfig, build, load_scenario
-from gwtf.sim.simulator import Simulator, get_system, run_scenario
+from gwtf.sim.simulator import Simulator, run_scenario
 
 BASE = ['model.preset="tiny"', "nodes.count=10", "nodes.data_holders=2", "model.stages=4",
         "train.iterations=12", "sim.max_time_s=3000"]
@@ -54,7 +55,7 @@ def _run_with_backward_crash(system: str, stage: int) -> tuple[list[Any], list[t
     Returns the redo records and every forward compute (stage, microbatch) after the crash.
     """
     sc = _scenario(["churn.spare_leader=true"])
-    sim = Simulator(sc, 0, get_system(system, sc))
+    sim = Simulator(sc, 0, get_system(system, sc.protocol))
     redo: list[Any] = []
     forwards: list[tuple[int, tuple[str, int, int]]] = []
     crashed: list[tuple[str, tuple[str, int, int]]] = []
@@ -101,7 +102,7 @@ def test_swarm_restarts_a_backward_crash_from_the_data_holder_gwtf_redoes_one_st
 
 def test_rebalancing_moves_a_relay_to_the_bottleneck_stage_and_training_stays_correct() -> None:
     sc = _scenario(["protocol.swarm_rebalance_period_s=20", "train.iterations=20"])
-    sim = Simulator(sc, 0, get_system("swarm", sc))
+    sim = Simulator(sc, 0, get_system("swarm", sc.protocol))
     moves: list[dict[str, Any]] = []
     record = sim._record
 

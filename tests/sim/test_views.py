@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from gwtf.errors import UserError
+from gwtf.protocol.systems import get_system
 from gwtf.protocol.view import Roster, _pair_scores, mark, pair_score, view_threshold
 from gwtf.sim.scenario import load_scenario
-from gwtf.sim.simulator import Simulator, get_system, run_scenario
+from gwtf.sim.simulator import Simulator, run_scenario
 
 SHAPE = ['model.preset="tiny"', "model.seq_len=64", "model.microbatch_size=4", "model.stages=4",
          "nodes.count=400", "nodes.data_holders=8", "nodes.relay_capacity=[1, 3]"]
@@ -22,7 +23,7 @@ SHAPE = ['model.preset="tiny"', "model.seq_len=64", "model.microbatch_size=4", "
 
 def _started(view_size: int, router: str = "flow") -> Simulator:
     sc = load_scenario(None, [*SHAPE, f"protocol.view_size={view_size}", f'protocol.router="{router}"'])
-    sim = Simulator(sc, 3, get_system("gwtf", sc))
+    sim = Simulator(sc, 3, get_system("gwtf", sc.protocol))
     sim.start()
     return sim
 

@@ -18,9 +18,10 @@ from typing import Any
 
 from gwtf.config import dump_toml
 from gwtf.errors import UserError
+from gwtf.protocol.systems import get_system
 from gwtf.sim.plots import RunPlotData, plot_data, write_plots
 from gwtf.sim.scenario import ScenarioConfig, build, load_scenario
-from gwtf.sim.simulator import Simulator, get_system
+from gwtf.sim.simulator import Simulator
 
 __all__ = ["add_arguments", "run"]
 
@@ -35,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", metavar="SCENARIO.toml", help="scenario file (see configs/scenarios/)")
     parser.add_argument("--seed", type=int, default=0, help="seed of nodes, churn and jitter")
     parser.add_argument("--out", metavar="DIR", default="", help="output folder (default runs/sim-NAME-sSEED)")
-    parser.add_argument("--systems", default="gwtf", help="comma-separated systems to compare, e.g. gwtf,swarm")
+    parser.add_argument("--systems", default=None,
+                        help="comma-separated systems to compare, e.g. gwtf,swarm (default: protocol.system)")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
     parser.add_argument(
         "--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
@@ -45,10 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sc = load_scenario(args.scenario, args.overrides)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    names = sc.protocol.system if args.systems is None else args.systems
+    systems = [s.strip() for s in names.split(",") if s.strip()]
     if not systems:
         raise UserError("--systems is empty")
-    factories = {name: get_system(name, sc) for name in systems}  # unknown system -> UserError
+    factories = {name: get_system(name, sc.protocol) for name in systems}  # unknown system -> UserError
     out = Path(args.out or f"runs/sim-{sc.name}-s{args.seed}")
     out.mkdir(parents=True, exist_ok=True)
     built = build(sc, args.seed)  # same nodes for every system

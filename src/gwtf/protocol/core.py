@@ -176,6 +176,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         """Bootstrap: sim passes the initial members (as a shared `Roster` with bounded views); a
         joiner (stage -1) passes one contact. A resumed swarm's node starts at `start_version`."""
         self.version = self.iteration = self.start_version
+        self.started_s = now
         out = self.membership_start(now, known_peers)
         out += list(self.router.on_start(now))
         if self.me.stage == 0 and self.leader == self.me.id:

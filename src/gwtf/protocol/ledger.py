@@ -128,6 +128,7 @@ class CoreState:
         self.policy = policy
         self.S = train.stages
         self.alive = True
+        self.started_s = 0.0  # `now` at on_start (the runtime's clock does not start at 0)
         self.active = me.stage >= 0  # a joiner is inactive until the leader activates it
         self.iteration = 0  # current iteration (from the leader)
         self.version = 0  # optimizer steps applied to this node's stage

@@ -58,8 +58,9 @@ class RebalanceMixin(CoreState):
     last_rebalance_s: float = 0.0
 
     def rebalance_due(self, now: float, period_s: float) -> bool:
-        """Leader: a period has passed and no join (or previous move) is under way."""
-        if period_s <= 0 or now - self.last_rebalance_s < period_s:
+        """Leader: a period has passed (the first counts from this node's start, whatever the
+        driver's clock epoch) and no join (or previous move) is under way."""
+        if period_s <= 0 or now - max(self.last_rebalance_s, self.started_s) < period_s:
             return False
         if getattr(self, "pending_joiners", None) or getattr(getattr(self, "lead", None), "waiting", None):
             return False

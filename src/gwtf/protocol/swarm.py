@@ -248,11 +248,14 @@ class SwarmCore(RebalanceMixin, NodeCore):
         return self.on_stage_move(sender, msg, now)
 
     def choose_join_stage(self, utilisation: Sequence[float]) -> int:
-        """A moving peer serves the stage it was sent to; a new SWARM peer joins the stage with
-        the least throughput (relay stages only; ties: lowest)."""
+        """A moving peer serves the stage it was sent to; a joiner an operator placed
+        (`fixed_stage`, the runtime's `--stage K`) keeps it; a new SWARM peer joins the stage
+        with the least throughput (relay stages only; ties: lowest)."""
         target = self.take_move_target()
         if target >= 1:
             return target
+        if self.fixed_stage is not None:
+            return self.fixed_stage
         members = [p for p in self.directory.values() if p.id != self.me.id]
         tp = stage_throughputs(members, self.S)
         return min(range(1, self.S), key=lambda k: (tp[k], k))

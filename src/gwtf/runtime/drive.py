@@ -58,6 +58,7 @@ from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
 from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
 from gwtf.protocol.router import PeerInfo
+from gwtf.protocol.systems import build_core, get_system, iteration_params
 from gwtf.runtime import checkpoints, statefile
 from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 
@@ -156,7 +157,8 @@ class Host:
                       compute_s=1.0, capacity=max(1, cfg.train.microbatches),
                       demand=cfg.train.microbatches if ident.role == "data-holder" else 0)
         seed = zlib.crc32(node_id.encode()) ^ cfg.train.seed
-        core = RuntimeNodeCore(me, cfg.protocol, train, random.Random(seed))
+        system = get_system(cfg.protocol.system, cfg.protocol)
+        core = build_core(system, me, cfg.protocol, cfg.flow, train, random.Random(seed))
         core.fixed_stage = None if bootstrap or stage < 0 else stage
         core.start_members = cfg.runtime.start_members
         host = cls(cfg, ident, node_id, core, spec, dataset, device)
@@ -443,19 +445,12 @@ def _iteration_of(key: Hashable) -> float:
 
 
 def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
-    """The core's view of an iteration (sizes and FLOPs; float32 tensors on the wire)."""
-    stages, mb = cfg.model.stages, cfg.model.microbatch_size
-    return TrainParams(
-        stages=stages, microbatches=cfg.train.microbatches, iterations=cfg.train.iterations,
-        activation_bytes=spec.activation_bytes(mb),
-        stage_flops=tuple(spec.stage_flops_per_microbatch(k, stages, mb) for k in range(stages)),
-        stage_state_bytes=tuple(spec.stage_state_bytes(k, stages) for k in range(stages)),
-        stage_grad_bytes=tuple(4 * spec.stage_param_count(k, stages) for k in range(stages)),
-        tokens_per_microbatch=mb * cfg.model.seq_len,
-    )
+    """The core's view of an iteration (`gwtf.protocol.systems.iteration_params`: the simulator's formula)."""
+    return iteration_params(spec, stages=cfg.model.stages, microbatch_size=cfg.model.microbatch_size,
+                            seq_len=cfg.model.seq_len, microbatches=cfg.train.microbatches,
+                            iterations=cfg.train.iterations)
 
 
-RuntimeNodeCore = NodeCore  # the runtime runs the very same core (fixed_stage, start_members)
 
 
 def resolve_device(device: str) -> str:

@@ -44,10 +44,11 @@ from gwtf.protocol.base import Message
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute, FreeIteration
 from gwtf.protocol.router import PeerInfo
+from gwtf.protocol.systems import get_system
 from gwtf.runtime.drive import Host
 from gwtf.runtime.node import NodeIdentity
 from gwtf.sim.scenario import Fault, ScenarioConfig, build
-from gwtf.sim.simulator import Simulator, get_system
+from gwtf.sim.simulator import Simulator
 
 StageWeights = dict[str, Tensor]
 
@@ -104,7 +105,7 @@ class TensorSimulator(Simulator):
                  out_dir: str | Path, built: tuple[Instance, TrainParams] | None = None,
                  compute_faults: Sequence[ComputeFault] = (), dtype: torch.dtype = torch.float64,
                  system: str = "gwtf") -> None:
-        super().__init__(sc, seed, get_system(system, sc), built if built is not None else build(sc, seed))
+        super().__init__(sc, seed, get_system(system, sc.protocol), built if built is not None else build(sc, seed))
         self.cfg = config_for(sc, cfg)
         self.dataset = dataset
         self.spec = model_spec(self.cfg.model, dataset.vocab_size)

@@ -21,6 +21,7 @@ from gwtf.flow.generate import generate_instance
 from gwtf.flow.instance import Instance
 from gwtf.model.presets import model_spec
 from gwtf.protocol.ledger import TrainParams
+from gwtf.protocol.systems import iteration_params
 
 
 def _req(ok: bool, key: str, why: str) -> None:
@@ -179,13 +180,6 @@ def build(sc: ScenarioConfig, seed: int) -> tuple[Instance, TrainParams]:
     cfg = ModelConfig(family=m.family, preset=m.preset, seq_len=m.seq_len, microbatch_size=m.microbatch_size,
                       stages=m.stages)
     spec = model_spec(cfg, m.vocab_size)
-    S = m.stages
-    train = TrainParams(
-        stages=S, microbatches=demand, iterations=sc.train.iterations,
-        activation_bytes=spec.activation_bytes(m.microbatch_size),
-        stage_flops=tuple(spec.stage_flops_per_microbatch(k, S, m.microbatch_size) for k in range(S)),
-        stage_state_bytes=tuple(spec.stage_state_bytes(k, S) for k in range(S)),
-        stage_grad_bytes=tuple(spec.stage_state_bytes(k, S) // 3 for k in range(S)),
-        tokens_per_microbatch=m.microbatch_size * m.seq_len,
-    )
+    train = iteration_params(spec, stages=m.stages, microbatch_size=m.microbatch_size, seq_len=m.seq_len,
+                             microbatches=demand, iterations=sc.train.iterations)
     return inst, train

@@ -2,8 +2,9 @@
 
 Owns: `Simulator` (turns effects into engine events through the network and compute models;
 crashes, leaves, joins, link windows and scripted faults; feeds Records to the invariant
-checker and the metrics), `SYSTEMS` (named policies: "gwtf"; baselines register theirs with
-`register_system`), and `run_scenario` (one seeded run -> summary dict + timeline rows).
+checker and the metrics) and `run_scenario` (one seeded run -> summary dict + timeline rows).
+The systems it runs (gwtf, the SWARM baseline) and the way a node's core is built are
+`gwtf.protocol.systems`: the runtime runs the same.
 
 A crash is silent and may happen at any moment: the core is deleted, messages still on its
 uplink are lost, deliveries to it fail (the sender's `on_send_failed` after
@@ -19,16 +20,15 @@ import gc
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from gwtf.errors import UserError
 from gwtf.flow.instance import Instance
 from gwtf.protocol.base import CancelTimer, Message, Send, SetTimer
-from gwtf.protocol.core import NodeCore, make_router
-from gwtf.protocol.ledger import Policy, TrainParams
+from gwtf.protocol.core import NodeCore
+from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute, Record
-from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
+from gwtf.protocol.router import LinkEstimate, PeerInfo
+from gwtf.protocol.systems import System, build_core, get_system
 from gwtf.protocol.view import Roster
 from gwtf.sim.churn import ChurnEvent, join_times, link_windows, node_lifetime_event, read_trace
 from gwtf.sim.engine import Engine
@@ -39,45 +39,6 @@ from gwtf.sim.scenario import Fault, ScenarioConfig, build
 
 DISK_JOBS = frozenset({"load_checkpoint", "read_checkpoint", "store_checkpoint"})
 """Computes that read or write a checkpoint: charged their bytes at the disk's bandwidth."""
-
-
-@dataclass(frozen=True, slots=True)
-class System:
-    """What differs between compared systems: the churn policy and the router."""
-
-    policy: Policy
-    router: Callable[[PeerInfo, TrainParams, ScenarioConfig], Router]
-    core: Callable[..., NodeCore] = NodeCore  # a baseline may extend NodeCore through its hooks
-
-
-def _gwtf(sc: ScenarioConfig) -> System:
-    def router(me: PeerInfo, train: TrainParams, s: ScenarioConfig) -> Router:
-        return make_router(s.protocol.router, me, train, random.Random(f"router:{me.id}"), s.flow)
-
-    if sc.protocol.rebalance_period_s > 0:
-        from gwtf.protocol.rebalance import GWTF_REBALANCE_POLICY, GwtfCore
-
-        return System(GWTF_REBALANCE_POLICY, router, GwtfCore)
-    return System(Policy(), router)
-
-
-def _swarm(sc: ScenarioConfig) -> System:
-    from gwtf.protocol.swarm import SWARM_POLICY, SwarmCore, swarm_router
-
-    return System(SWARM_POLICY, lambda me, train, s: swarm_router(me, train, s.protocol), SwarmCore)
-
-
-SYSTEMS: dict[str, Callable[[ScenarioConfig], System]] = {"gwtf": _gwtf, "swarm": _swarm}
-
-
-def register_system(name: str, factory: Callable[[ScenarioConfig], System]) -> None:
-    SYSTEMS[name] = factory
-
-
-def get_system(name: str, sc: ScenarioConfig) -> System:
-    if name not in SYSTEMS:
-        raise UserError(f"unknown system {name!r}; available: {', '.join(sorted(SYSTEMS))}")
-    return SYSTEMS[name](sc)
 
 
 class Simulator:
@@ -147,11 +108,8 @@ class Simulator:
                 self.engine.schedule(f.time_s, self._fault, f, f.node)
 
     def _add_core(self, info: PeerInfo, speed: float) -> None:
-        def factory(me: PeerInfo) -> Router:
-            return self.system.router(me, self.train, self.sc)
-
-        core = self.system.core(info, self.sc.protocol, self.train, random.Random(f"{self.seed}:{info.id}"),
-                        None, self.system.policy, self._prior, factory)
+        core = build_core(self.system, info, self.sc.protocol, self.sc.flow, self.train,
+                          random.Random(f"{self.seed}:{info.id}"), self._prior)
         self.cores[info.id] = core
         self.net.add_node(info.id, info.region)
         self.compute.add_node(info.id, speed)
@@ -372,8 +330,8 @@ def _quiet_gc() -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-def run_scenario(sc: ScenarioConfig, seed: int, system: str = "gwtf") -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One seeded run: (summary, timeline rows)."""
-    sim = Simulator(sc, seed, get_system(system, sc))
+def run_scenario(sc: ScenarioConfig, seed: int, system: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One seeded run of `system` (default: the scenario's `protocol.system`): (summary, timeline rows)."""
+    sim = Simulator(sc, seed, get_system(system or sc.protocol.system, sc.protocol))
     summary = sim.run()
     return summary, sim.metrics.timeline_rows()

@@ -12,12 +12,13 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from gwtf.config import ProtocolConfig
+from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol.base import CancelTimer, Message, Send, SetTimer
 from gwtf.protocol.core import NodeCore
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute, Record
 from gwtf.protocol.router import PeerInfo
+from gwtf.protocol.systems import build_core, get_system
 
 TRAIN = TrainParams(stages=3, microbatches=2, iterations=2, activation_bytes=1000,
                     stage_flops=(1.0, 1.0, 1.0), stage_state_bytes=(3000, 3000, 3000),
@@ -26,12 +27,19 @@ TRAIN = TrainParams(stages=3, microbatches=2, iterations=2, activation_bytes=100
 
 class Harness:
     def __init__(self, peers: list[PeerInfo], train: TrainParams = TRAIN, latency_s: float = 0.01,
-                 cfg: ProtocolConfig | None = None) -> None:
+                 cfg: ProtocolConfig | None = None, system: str | None = None, start_s: float = 0.0) -> None:
+        """`system` (a `protocol.systems` name) builds the cores as the drivers do; without it,
+        plain NodeCores. `start_s` is the clock's value at the start (a driver's epoch)."""
         self.cfg = cfg or ProtocolConfig()
         self.train = train
-        self.now = 0.0
+        self.now = self.start_s = start_s
         self.latency_s = latency_s
-        self.cores = {p.id: NodeCore(p, self.cfg, train, random.Random(p.id)) for p in peers}
+        if system is None:
+            self.cores = {p.id: NodeCore(p, self.cfg, train, random.Random(p.id)) for p in peers}
+        else:
+            sys_ = get_system(system, self.cfg)
+            self.cores = {p.id: build_core(sys_, p, self.cfg, FlowConfig(), train, random.Random(p.id))
+                          for p in peers}
         self.peers = peers
         self._q: list[tuple[float, int, str, tuple[Any, ...]]] = []
         self._seq = 0
@@ -48,7 +56,7 @@ class Harness:
 
     def start(self) -> None:
         for p in self.peers:
-            self.apply(p.id, self.cores[p.id].on_start(0.0, self.peers))
+            self.apply(p.id, self.cores[p.id].on_start(self.start_s, self.peers))
 
     def apply(self, node: str, effects: list[Any]) -> None:
         for e in effects:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
+from core_harness import TRAIN, Harness, peers
+
+from gwtf.config import ProtocolConfig
 from gwtf.protocol.rebalance import MoveInputs, plan_gwtf_move, stage_times_s
 from gwtf.protocol.router import PeerInfo
 
@@ -88,3 +92,21 @@ def test_repeated_moves_terminate_and_never_raise_the_cost() -> None:
             cost = new_cost
         else:
             raise AssertionError(f"seed {seed}: no fixed point after 50 moves")
+
+
+@pytest.mark.parametrize("system", ["gwtf", "swarm"])
+@pytest.mark.parametrize("start_s", [0.0, 1e6])
+def test_the_first_rebalance_waits_a_period_whatever_the_clock_epoch(system: str, start_s: float) -> None:
+    """The runtime's clock is the loop's monotonic time (large at start), the simulator's starts at
+    0: a leader plans its first move one period after its own start in both (it planned at once
+    in the runtime). The placement is lopsided, so a move is due once the period has passed."""
+    cfg = ProtocolConfig(rebalance_period_s=40.0, swarm_rebalance_period_s=40.0, rebalance_min_gain=0.0)
+    train = replace(TRAIN, iterations=0)
+    members = [replace(p, compute_s=1.0) for p in peers((1, 4, 1), capacity=1, demand=1)]
+    h = Harness(members, train, cfg=cfg, system=system, start_s=start_s)
+    h.start()
+    moves = ("stage_move", "swarm_move")
+    h.run(start_s + 35.0)
+    assert not [e for _, _, e, _ in h.records if e in moves]
+    h.run(start_s + 90.0)
+    assert [e for _, _, e, _ in h.records if e in moves]

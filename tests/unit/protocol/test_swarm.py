@@ -161,3 +161,23 @@ def test_a_swarm_joiner_refills_a_lost_stage_other_than_stage_1() -> None:
     out = j.on_message("d0", welcome, 0.1)
     assert j.me.stage == 2, [getattr(e, "fields", None) for e in out if getattr(e, "event", "") == "join_stage"]
     assert set(j.directory) == {"d0", "a0", "a1", "c0", "j"}  # relays keep stages 1-3 of 4 and the data holders
+
+
+def test_a_swarm_joiner_an_operator_placed_keeps_its_stage() -> None:
+    """The runtime's `--stage K` joiner (`fixed_stage`) serves K under SWARM too (SWARM's own
+    rule would send it to the least-served stage); a moving peer still goes where it was sent."""
+    from core_harness import TRAIN
+
+    from gwtf.config import ProtocolConfig
+    from gwtf.protocol.swarm import SwarmCore
+
+    j = SwarmCore(PeerInfo(id="j", stage=-1, region="r", compute_s=0.1, capacity=4), ProtocolConfig(), TRAIN,
+                  random.Random(1))
+    j.directory = {p.id: p for p in (PeerInfo(id="a0", stage=1, region="r", compute_s=0.1, capacity=4),
+                                     PeerInfo(id="b0", stage=2, region="r", compute_s=0.1, capacity=4),
+                                     PeerInfo(id="b1", stage=2, region="r", compute_s=0.1, capacity=4))}
+    assert j.choose_join_stage((1.0, 1.0, 1.0)) == 1  # SWARM's rule: stage 1 has the least throughput
+    j.fixed_stage = 2
+    assert j.choose_join_stage((1.0, 1.0, 1.0)) == 2
+    j.move_target = 1
+    assert j.choose_join_stage((1.0, 1.0, 1.0)) == 1
