@@ -1,68 +1,140 @@
-"""Fitness tests: the layer rules of DESIGN.md section 2, checked by parsing every module's imports.
+"""Fitness tests: the layering table of docs/architecture.md, checked by parsing every module's imports.
 
-Pure packages (`flow`, `protocol`, `sim`, plus `config`, `errors`, and the pure model modules
-`model.presets`, `model.partition`) must not import torch, asyncio, socket, threading or time.
-Only `runtime` may import asyncio/socket. The simulator must not import the runtime.
+The table is read from the document itself, so the rules and their enforcement cannot drift: every
+module of `src/gwtf` belongs to exactly one row; each of its imports must be allowed by the row's
+"may import" column and must not be named by its "must not import" column. The pure rows (flow,
+protocol, sim, config, errors, model.presets, model.partition) also import no process, thread or
+clock module at all.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "gwtf"
-IO_AND_TORCH = {"torch", "asyncio", "socket", "threading", "time", "selectors", "subprocess", "multiprocessing"}
-PURE_PACKAGES = ("flow", "protocol", "sim")
-PURE_MODULES = ("config.py", "errors.py", "model/presets.py", "model/partition.py")
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "gwtf"
+DOC = ROOT / "docs" / "architecture.md"
+PURE = ("flow", "protocol", "sim", "config", "errors", "model.presets", "model.partition")
+NO_IO = {"torch", "asyncio", "socket", "threading", "time", "selectors", "subprocess", "multiprocessing"}
+
+
+@dataclass(frozen=True)
+class Row:
+    names: tuple[str, ...]  # the packages/modules of this row ("model" of "`model` (rest)")
+    may: tuple[str, ...] | None  # None: everything ...
+    may_not: tuple[str, ...]  # ... but these
+
+
+def _cell(text: str) -> tuple[str, ...]:
+    return tuple(t.strip().strip("`") for t in text.split(",") if t.strip() and t.strip() != "-")
+
+
+def _table() -> list[Row]:
+    rows = []
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        names = tuple(re.findall(r"`([^`]+)`", cells[0]))
+        may = cells[2]
+        if may.startswith("everything"):
+            rest = may.removeprefix("everything").strip().removeprefix("but").strip()
+            rows.append(Row(names, None, _cell(rest) + _cell(cells[3])))
+        else:
+            rows.append(Row(names, _cell(may), _cell(cells[3])))
+    return rows
+
+
+ROWS = _table()
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(parts) or "gwtf"
+
+
+def _row_of(module: str) -> Row:
+    """The most specific row naming the module or a package above it."""
+    best: tuple[int, Row] | None = None
+    for row in ROWS:
+        for name in row.names:
+            if module == name or module.startswith(name + "."):
+                if best is None or len(name) > best[0]:
+                    best = (len(name), row)
+    assert best is not None, f"gwtf.{module} belongs to no row of docs/architecture.md"
+    return best[1]
 
 
 def _imports(path: Path) -> set[str]:
+    """Imported names as the table spells them: 'stdlib', a gwtf module path, or a top-level package."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    names: set[str] = set()
+    out: set[str] = set()
     for node in ast.walk(tree):
+        names: list[str] = []
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
+            names = [node.module]
+        for name in names:
+            top = name.split(".")[0]
+            if name == "gwtf" or top == "__future__":
+                continue
+            if top == "gwtf":
+                out.add(name.removeprefix("gwtf."))
+            else:
+                out.add(top)
+    return out
 
 
-def _top(name: str) -> str:
-    return name.split(".")[0]
+def _matches(imported: str, entry: str) -> bool:
+    if entry == "stdlib":
+        return imported.split(".")[0] in sys.stdlib_module_names and not imported.startswith(_GWTF_TOPS)
+    if entry == "gwtf":
+        return imported.startswith(_GWTF_TOPS)
+    return imported == entry or imported.startswith(entry + ".")
 
 
-def _pure_files() -> list[Path]:
-    files = [p for pkg in PURE_PACKAGES for p in sorted((SRC / pkg).rglob("*.py"))]
-    files += [SRC / m for m in PURE_MODULES if (SRC / m).exists()]
-    return files
+_GWTF_TOPS = tuple(sorted({p.name.removesuffix(".py") for p in SRC.iterdir() if not p.name.startswith("_")}))
 
 
-@pytest.mark.parametrize("path", _pure_files(), ids=lambda p: str(p.relative_to(SRC)))
-def test_pure_modules_import_no_io_or_torch(path: Path) -> None:
-    """A pure module imports none of torch/asyncio/socket/threading/time, nor gwtf.runtime."""
-    bad = {n for n in _imports(path) if _top(n) in IO_AND_TORCH}
-    bad |= {n for n in _imports(path) if n.startswith("gwtf.runtime")}
-    impure_model = {
-        n for n in _imports(path)
-        if n.startswith("gwtf.model") and n not in ("gwtf.model", "gwtf.model.presets", "gwtf.model.partition")
-    }
-    assert not bad and not impure_model, f"{path.relative_to(SRC)} imports {sorted(bad | impure_model)}"
+def _modules() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
 
 
-def test_only_runtime_imports_asyncio_and_socket() -> None:
-    """asyncio and socket appear only under gwtf/runtime (and the commands that start it)."""
-    offenders = []
-    for path in SRC.rglob("*.py"):
-        rel = path.relative_to(SRC)
-        if rel.parts[0] in ("runtime", "commands"):
-            continue
-        if {_top(n) for n in _imports(path)} & {"asyncio", "socket"}:
-            offenders.append(str(rel))
-    assert not offenders, offenders
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_every_module_keeps_its_rows_rules(path: Path) -> None:
+    module = _module_name(path)
+    if module == "gwtf":  # the package's own __init__
+        return
+    row = _row_of(module)
+    own = next(n for n in row.names if module == n or module.startswith(n + "."))
+    imports = _imports(path)
+    forbidden = {i for i in imports if any(_matches(i, e) for e in row.may_not)}
+    if row.may is not None:
+        forbidden |= {i for i in imports if not _matches(i, own) and not any(_matches(i, e) for e in row.may)}
+    if any(module == p or module.startswith(p + ".") for p in PURE):
+        forbidden |= {i for i in imports if i.split(".")[0] in NO_IO}
+    assert not forbidden, f"gwtf.{module} imports {sorted(forbidden)} against docs/architecture.md"
 
 
-def test_architecture_rules_see_modules() -> None:
-    """Guard against the check silently passing because it found nothing to check."""
-    assert len(_pure_files()) >= 3
+def test_the_table_is_read_and_covers_the_packages() -> None:
+    """Guard against the check silently passing because it found no rules."""
+    names = {n for r in ROWS for n in r.names}
+    assert {"protocol", "sim", "runtime", "flow", "model", "config", "tensor_sim", "commands"} <= names, names
+    assert len(_modules()) > 50
+
+
+def test_the_check_catches_a_violation(tmp_path: Path) -> None:
+    """A protocol module importing torch or the runtime fails the rule (the check can fail)."""
+    row = _row_of("protocol.core")
+    for bad in ("torch", "runtime.transport", "sim.engine", "model.stage"):
+        assert any(_matches(bad, e) for e in row.may_not) or not any(_matches(bad, e) for e in row.may or ()), bad
+    assert any(_matches("sim", e) for e in _row_of("runtime.node").may_not)
+    assert _matches("dataclasses", "stdlib") and not _matches("numpy", "stdlib")

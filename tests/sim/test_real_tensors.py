@@ -1,6 +1,6 @@
 """Real tensors under simulated churn: the end-to-end check of exactly-once (DESIGN.md 3 and 5).
 
-The simulator drives NodeCores; `gwtf.runtime.tensor_sim` carries out their compute effects on
+The simulator drives NodeCores; `gwtf.tensor_sim` carries out their compute effects on
 real torch stage modules (tiny preset, float64, one process). Tiny shape: 2 data holders, 3
 stages, 3 replicas of each relay stage, M = 2 microbatches per data holder, K = 3 iterations.
 
@@ -35,7 +35,8 @@ from gwtf.flow.instance import Instance
 from gwtf.model.data import TokenDataset, load_dataset
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute
-from gwtf.runtime.tensor_sim import (
+from gwtf.sim.scenario import Fault, ScenarioConfig, build, load_scenario
+from gwtf.tensor_sim import (
     ComputeFault,
     StageWeights,
     TensorRun,
@@ -46,7 +47,6 @@ from gwtf.runtime.tensor_sim import (
     relay_crash_schedule,
     run_with_tensors,
 )
-from gwtf.sim.scenario import Fault, ScenarioConfig, build, load_scenario
 
 ATOL = 1e-12
 RTOL = 1e-9

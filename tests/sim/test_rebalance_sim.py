@@ -13,9 +13,9 @@ from faultgen import random_schedule
 from gwtf.protocol.messages import Record
 from gwtf.protocol.rebalance import GwtfCore
 from gwtf.protocol.systems import get_system
-from gwtf.runtime.tensor_sim import run_with_tensors
 from gwtf.sim.scenario import load_scenario
 from gwtf.sim.simulator import Simulator
+from gwtf.tensor_sim import run_with_tensors
 
 setup = rt.setup  # the real-tensor module fixture (reference weights, no-churn run)
 BASE = ['model.preset="tiny"', "nodes.count=10", "nodes.data_holders=2", "model.stages=4",

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gwtf.sim.invariants import InvariantChecker
+from gwtf.protocol.invariants import InvariantChecker
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
 _DRIVER_FIELDS = frozenset({"event", "t_s", "unix_s", "me"})  # what the node driver adds to a core Record

@@ -25,6 +25,7 @@ from typing import Any
 from gwtf.flow.instance import Instance
 from gwtf.protocol.base import CancelTimer, Message, Send, SetTimer
 from gwtf.protocol.core import NodeCore
+from gwtf.protocol.invariants import InvariantChecker
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute, Record
 from gwtf.protocol.router import LinkEstimate, PeerInfo
@@ -32,7 +33,6 @@ from gwtf.protocol.systems import System, build_core, get_system
 from gwtf.protocol.view import Roster
 from gwtf.sim.churn import ChurnEvent, join_times, link_windows, node_lifetime_event, read_trace
 from gwtf.sim.engine import Engine
-from gwtf.sim.invariants import InvariantChecker
 from gwtf.sim.metrics import Metrics
 from gwtf.sim.models import ComputeModel, LinkWindow, NetworkModel
 from gwtf.sim.scenario import Fault, ScenarioConfig, build

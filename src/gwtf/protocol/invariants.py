@@ -1,4 +1,5 @@
-"""Invariants checked on every simulated run, from the Records the cores emit.
+"""Invariants checked on every run, simulated or real, from the Records the cores emit (the simulator
+feeds them as they happen; `gwtf.runtime.audit` replays real nodes' records through the same checker).
 
 Owns: `InvariantChecker`. Violations are strings (the first 50 kept, all counted); tests assert
 there are none.
