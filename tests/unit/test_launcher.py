@@ -155,20 +155,30 @@ def test_status_is_atomic_and_jsonl_tail_skips_torn_lines(tmp_path: Path) -> Non
 
 
 def test_wan_model_delays_by_latency_plus_serialised_bytes() -> None:
-    from gwtf.flow.network import load_network
+    """The simulator's delay model on this node's uplink: bulk messages queue behind each other
+    (to any peer), a control message waits for none; the header is CONTROL_BYTES."""
+    from gwtf.flow.network import CONTROL_BYTES, load_network
     from gwtf.runtime.clock import WanModel
+    from gwtf.sim.models import NetworkModel
 
     net = load_network("geo10")
     wan = WanModel(net)
     lat, bw = net.latency_s("Oregon", "Tokyo"), net.bandwidth_bytes_per_s("Oregon", "Tokyo")
     first = wan.deliver_at(100.0, "Oregon", "Tokyo", 1_000_000)
-    assert first == pytest.approx(100.0 + 1_000_000 / bw + lat)
-    second = wan.deliver_at(100.0, "Oregon", "Tokyo", 1_000_000)  # queued behind the first on the link
-    assert second == pytest.approx(100.0 + 2_000_000 / bw + lat)
-    assert wan.deliver_at(100.0, "Tokyo", "Oregon", 0) == pytest.approx(100.0 + net.latency_s("Tokyo", "Oregon"))
+    assert first == pytest.approx(100.0 + (1_000_000 + CONTROL_BYTES) / bw + lat)
+    second = wan.deliver_at(100.0, "Oregon", "Tokyo", 1_000_000)  # queued behind the first on the uplink
+    assert second == pytest.approx(100.0 + 2 * (1_000_000 + CONTROL_BYTES) / bw + lat)
+    control = wan.deliver_at(100.0, "Oregon", "Tokyo", 0)
+    assert control == pytest.approx(100.0 + CONTROL_BYTES / bw + lat)
     assert wan.deliver_at(5.0, "Mars", "Tokyo", 10) == 5.0
     with pytest.raises(ValueError, match="Mars"):
         wan.check_region("Mars")
+    # the simulator's model gives the same times for the same sends
+    sim = NetworkModel(net, CONTROL_BYTES)
+    sim.add_node("a", "Oregon")
+    sim.add_node("b", "Tokyo")
+    got = [sim.send("a", "b", n, 100.0)[1] for n in (1_000_000, 1_000_000, 0)]
+    assert got == pytest.approx([first, second, control])
 
 
 def test_timers_replace_and_outbox_keeps_per_peer_order_and_reports_failures() -> None:

@@ -8,6 +8,13 @@ Units: latency in seconds (one-way), bandwidth in bytes per second. The TOML fil
 of their source (ms; Gbit/s or GiB/s) and name them; `load_network` converts. `perturb_network`
 applies seeded multiplicative per-link noise (link heterogeneity / instability).
 
+It also owns the one message delay model both drivers use (`uplink_send`, `CONTROL_BYTES`): a
+message leaves its sender's uplink after every bulk message queued before it, takes
+(payload + header) / bandwidth to serialise and arrives one latency later; a control message
+(no payload) interleaves with bulk transfers at packet level and waits for none. The simulator's
+`sim.models.NetworkModel` applies it per node, the runtime's WAN emulation
+(`runtime.clock.WanModel`) to its own node's uplink.
+
 Must not import torch, asyncio, socket, threading or time.
 """
 
@@ -24,6 +31,8 @@ from gwtf.errors import UserError
 SAME_REGION_LATENCY_S = 0.010
 SAME_REGION_BANDWIDTH_BYTES_PER_S = 2e9 / 8
 KNOWN_NETWORKS = ("geo10", "geo12")
+CONTROL_BYTES = 256
+"""Header bytes of every message (its fields; a tensor's bytes are its payload)."""
 _BYTES_PER_S = {"Gbit/s": 1e9 / 8, "GiB/s": float(1024**3), "GB/s": 1e9, "Mbit/s": 1e6 / 8}
 
 
@@ -115,3 +124,16 @@ def perturb_network(net: Network, rng: random.Random, jitter_fraction: float) ->
         bandwidth_matrix_bytes_per_s=noisy(net.bandwidth_matrix_bytes_per_s),
         source=f"{net.source} (perturbed, jitter {jitter_fraction})",
     )
+
+
+def uplink_send(free_s: float, now: float, latency_s: float, bandwidth_bytes_per_s: float, payload_bytes: int,
+                control_bytes: int = CONTROL_BYTES) -> tuple[float, float, float]:
+    """One message on a sender's uplink that is busy until `free_s`: (the uplink's new free time,
+    the time its last byte leaves, its arrival time). A control message (`payload_bytes` 0)
+    neither waits for nor delays the bulk queue."""
+    if payload_bytes == 0:
+        done = now + control_bytes / bandwidth_bytes_per_s
+        return free_s, done, done + latency_s
+    start = free_s if free_s > now else now
+    done = start + (payload_bytes + control_bytes) / bandwidth_bytes_per_s
+    return done, done, done + latency_s

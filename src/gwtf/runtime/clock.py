@@ -6,10 +6,11 @@ Owns:
 - `Outbox`: one FIFO queue and one sending task per peer address, so messages to a peer leave in
   the order the core emitted them and a slow peer never blocks the others; failures are
   reported to a callback (the driver turns them into `NodeCore.on_send_failed`);
-- `WanModel`: optional WAN emulation on loopback. A message from region a to region b of n
-  bytes is held back by latency(a, b) + n / bandwidth(a, b) from the region table
-  (`gwtf.flow.network.load_network`), with the link's bytes serialised (a big tensor delays the
-  messages queued behind it, as on a real link).
+- `WanModel`: optional WAN emulation on loopback with the simulator's delay model
+  (`gwtf.flow.network.uplink_send`): a message from region a to region b is held back by
+  latency(a, b) + (payload + header) / bandwidth(a, b) from the region table, after the bulk
+  messages queued on this node's uplink (a big tensor delays the tensors sent after it, to any
+  peer, as on a real uplink); a control message waits for none.
 
 Every task is owned (tracked and cancelled by `close`). The holding-back of a message is the
 emulated network itself, not synchronisation. Must not import torch.
@@ -24,7 +25,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gwtf.flow.network import Network, load_network
+from gwtf.flow.network import Network, load_network, uplink_send
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,12 @@ class TimerTable:
 
 
 class WanModel:
-    """Delays of an emulated WAN between the regions of one network table."""
+    """Delays of an emulated WAN between the regions of one network table, for this node's
+    messages: the simulator's delay model (`gwtf.flow.network.uplink_send`) on its uplink."""
 
     def __init__(self, network: Network) -> None:
         self.network = network
-        self._link_free_at: dict[tuple[str, str], float] = {}
+        self._uplink_free_s = 0.0
 
     @classmethod
     def from_name(cls, name: str) -> WanModel | None:
@@ -77,14 +79,15 @@ class WanModel:
             known = ", ".join(self.network.regions)
             raise ValueError(f"region {region!r} is not in network {self.network.name} ({known})")
 
-    def deliver_at(self, now: float, src: str, dst: str, nbytes: int) -> float:
-        """When a message of `nbytes` sent now from `src` to `dst` arrives (serialised link)."""
+    def deliver_at(self, now: float, src: str, dst: str, payload_bytes: int) -> float:
+        """When a message with `payload_bytes` of tensors (plus its header), sent now from region
+        `src` to `dst`, arrives: after the bulk messages queued on this node's uplink."""
         if src not in self.network.regions or dst not in self.network.regions:
             return now  # unknown region: no emulated delay (logged once by the driver)
-        start = max(now, self._link_free_at.get((src, dst), now))
-        done = start + nbytes / self.network.bandwidth_bytes_per_s(src, dst)
-        self._link_free_at[(src, dst)] = done
-        return done + self.network.latency_s(src, dst)
+        self._uplink_free_s, _, arrival = uplink_send(
+            self._uplink_free_s, now, self.network.latency_s(src, dst), self.network.bandwidth_bytes_per_s(src, dst),
+            payload_bytes)
+        return arrival
 
 
 SendFn = Callable[[str, Any, list[Any]], Awaitable[None]]

@@ -332,8 +332,8 @@ class NodeRuntime:
         loop = asyncio.get_running_loop()
         at = 0.0
         if self.wan is not None:
-            nbytes = sum(int(t.nbytes) for t in tensors) + 256
-            at = self.wan.deliver_at(loop.time(), self.ident.region, region_of(to), nbytes)
+            payload = sum(int(t.nbytes) for t in tensors)
+            at = self.wan.deliver_at(loop.time(), self.ident.region, region_of(to), payload)
         self.outbox.put(addr, (to, msg), tensors, at)
 
     async def _send_now(self, addr: str, item: Any, tensors: list[Any]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from gwtf.flow.network import Network
+from gwtf.flow.network import Network, uplink_send
 
 
 @dataclass(slots=True)
@@ -80,16 +80,13 @@ class NetworkModel:
                 return None
             lat *= w.latency_factor
             bw /= w.bandwidth_divisor
-        if payload_bytes == 0:
-            # control messages interleave with bulk transfers at packet level: no FIFO wait
-            done = now + self.control_bytes / bw
-            return done, done + lat
-        start = self.uplink_free_s.get(a, now)
-        if start < now:
-            start = now
-        done = start + (payload_bytes + self.control_bytes) / bw
-        self.uplink_free_s[a] = done
-        return done, done + lat
+        if payload_bytes == 0:  # control: no uplink queue (flow.network.uplink_send)
+            _, done, arrival = uplink_send(0.0, now, lat, bw, 0, self.control_bytes)
+            return done, arrival
+        free, done, arrival = uplink_send(self.uplink_free_s.get(a, now), now, lat, bw, payload_bytes,
+                                          self.control_bytes)
+        self.uplink_free_s[a] = free
+        return done, arrival
 
 
 class ComputeModel:

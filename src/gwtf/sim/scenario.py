@@ -19,6 +19,7 @@ from gwtf.config import FlowConfig, ModelConfig, ProtocolConfig, from_dict, merg
 from gwtf.errors import UserError
 from gwtf.flow.generate import generate_instance
 from gwtf.flow.instance import Instance
+from gwtf.flow.network import CONTROL_BYTES
 from gwtf.model.presets import model_spec
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.systems import iteration_params
@@ -126,7 +127,7 @@ class Fault:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimSection:
     compute_jitter: float = 0.05  # +- share of every compute duration (seeded)
-    control_bytes: int = 256  # header bytes of every message
+    control_bytes: int = CONTROL_BYTES  # header bytes of every message (the runtime's WAN emulation: the same)
     send_fail_delay_s: float = 1.0  # a send to a dead node / over a cut link fails after this
     checkpoint_bandwidth_bytes_per_s: float = 100e6
     max_time_s: float = 86400.0  # stop the simulation at this virtual time
