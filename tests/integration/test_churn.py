@@ -38,9 +38,9 @@ DEMO_SHAPE = ("model.seq_len=128", "model.microbatch_size=4", "train.microbatche
 
 
 def _swarm(tmp_path: Path, overrides: tuple[str, ...], churn: str = "none",
-           faults: dict[str, str] | None = None) -> Swarm:
+           faults: dict[str, str] | None = None, replicas: int = 2) -> Swarm:
     cfg = load_config(TEST_CONFIG, list(overrides))
-    opts = SwarmOptions(out_dir=tmp_path / "swarm", replicas=2, churn=churn, config_path=TEST_CONFIG,
+    opts = SwarmOptions(out_dir=tmp_path / "swarm", replicas=replicas, churn=churn, config_path=TEST_CONFIG,
                         overrides=overrides, faults=dict(faults or {}))
     return Swarm(cfg, opts, say=lambda s: None)
 

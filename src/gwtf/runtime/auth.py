@@ -239,7 +239,7 @@ class Sealer:
         """One record holding `data` (at most RECORD_BYTES)."""
         n = len(data)
         assert n <= RECORD_BYTES
-        record = memoryview(np.empty(RECORD_OVERHEAD + n, np.uint8))  # no zero fill: all of it is written
+        record = np.empty(RECORD_OVERHEAD + n, np.uint8).data  # no zero fill: all of it is written
         REC_LEN.pack_into(record, 0, n + TAG_BYTES)
         self._aead.encrypt_into(_nonce(self._counter), data, record[: REC_LEN.size], record[REC_LEN.size :])
         self._counter += 1

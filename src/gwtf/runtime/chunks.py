@@ -111,7 +111,7 @@ def chunk_at(views: Sequence[bytes | memoryview], offset: int, size: int) -> np.
 
 
 def crc_of(data: np.ndarray) -> int:
-    return zlib.crc32(memoryview(data)) & 0xFFFFFFFF
+    return zlib.crc32(data.data) & 0xFFFFFFFF
 
 
 @dataclass(slots=True)

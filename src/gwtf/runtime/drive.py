@@ -353,7 +353,7 @@ class Host:
         arr = tensor_to_numpy(w.store.pop(key))
         if key[0] == "ckpt":
             w.load_state_blob(arr)
-            checkpoints.keep_version(self.ckpt_dir, w.stage, int(key[2]), memoryview(arr))
+            checkpoints.keep_version(self.ckpt_dir, w.stage, int(key[2]), arr.data)
         else:
             statefile.import_state(w, arr)
         return "state_imported", {"stage": w.stage, "version": key[2], "hash": w.weights_hash(),
@@ -372,7 +372,7 @@ class Host:
             with self._lock:
                 self._wire.pop(key, None)
             fields.update(source=key[3], written=checkpoints.keep_version(self.ckpt_dir, stage, version,
-                                                                         memoryview(arr)))
+                                                                         arr.data))
             return "checkpoint_stored", fields
         if eff.kind == "export_checkpoint":
             last = self._last_blob
@@ -405,7 +405,7 @@ class Host:
         A relay keeps the blob for the `export_checkpoint` job that follows this step when
         the data holders keep copies (`protocol.checkpoint_replicate`)."""
         blob = w.state_blob()
-        checkpoints.write_version(self.ckpt_dir, w.stage, version, memoryview(blob))
+        checkpoints.write_version(self.ckpt_dir, w.stage, version, blob.data)
         if w.stage > 0 and self.cfg.protocol.checkpoint_replicate:
             self._last_blob = (w.stage, version, blob)
 
