@@ -9,7 +9,9 @@ wiring, bans and restarts are effects every driver carries out.
 
 "gwtf" runs `GwtfCore` (rebalancing, PAPER.md 3.5) when `protocol.rebalance_period_s` > 0, else
 plain `NodeCore`; "swarm" runs `SwarmCore` with SWARM's policy (restart a microbatch whose
-backward lost a node) and router.
+backward lost a node) and router. Importing this module registers every message type of every
+system (`protocol.base.MESSAGE_TYPES`), so a node's wire codec decodes them all whichever
+system it runs (a lazily imported `StageMove` was once refused as "unknown type").
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -24,9 +26,12 @@ from typing import Protocol
 from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.errors import UserError
 from gwtf.protocol.core import LinkPrior, NodeCore, make_router
+from gwtf.protocol.flow import FlowAgent  # noqa: F401  (registers the flow messages)
 from gwtf.protocol.ledger import Policy, TrainParams
+from gwtf.protocol.rebalance import GWTF_REBALANCE_POLICY, GwtfCore
 from gwtf.protocol.router import PeerInfo, Router
 from gwtf.protocol.simple_router import GreedyRouter
+from gwtf.protocol.swarm import SWARM_POLICY, SwarmCore, swarm_router
 
 __all__ = ["SYSTEMS", "ModelShape", "RouterFactory", "System", "build_core", "get_system",
            "iteration_params", "register_system"]
@@ -51,21 +56,15 @@ def _gwtf_router(me: PeerInfo, train: TrainParams, protocol: ProtocolConfig, flo
 
 def _gwtf(protocol: ProtocolConfig) -> System:
     if protocol.rebalance_period_s > 0:
-        from gwtf.protocol.rebalance import GWTF_REBALANCE_POLICY, GwtfCore
-
         return System("gwtf", GWTF_REBALANCE_POLICY, _gwtf_router, GwtfCore)
     return System("gwtf", Policy(), _gwtf_router)
 
 
 def _swarm_router(me: PeerInfo, train: TrainParams, protocol: ProtocolConfig, flow: FlowConfig) -> Router:
-    from gwtf.protocol.swarm import swarm_router
-
     return swarm_router(me, train, protocol)
 
 
 def _swarm(protocol: ProtocolConfig) -> System:
-    from gwtf.protocol.swarm import SWARM_POLICY, SwarmCore
-
     return System("swarm", SWARM_POLICY, _swarm_router, SwarmCore)
 
 
