@@ -23,9 +23,8 @@ from typing import Any, Literal
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
 from gwtf.protocol.messages import NONE, MbId, TensorKey
+from gwtf.protocol.messages import Effect as Effect  # re-exported: the parts import it from here
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
-
-Effect = Any  # base Send/SetTimer/CancelTimer/Log + messages.Compute/Record/FreeIteration
 
 DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
 

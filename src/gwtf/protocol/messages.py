@@ -1,7 +1,8 @@
 """Messages and effects of the training protocol (data plane, membership, aggregation).
 
 Owns: every message NodeCore sends that is not routing ("flow." / "swarm." belong to the
-router), the training effects (`Compute`, `Record`, `FreeIteration`), and the microbatch id type.
+router), the training effects (`Compute`, `Record`, `FreeIteration`), `Effect` (the closed union
+of every effect a core returns, base ones included) and the microbatch id type.
 TYPE prefixes: "train." (microbatch data plane), "mem." (membership, join, leave, state
 transfer), "agg." (iteration barrier and aggregation).
 
@@ -16,9 +17,9 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, get_args
 
-from gwtf.protocol.base import Message, NodeId, fast_init, message
+from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer, fast_init, message
 
 MbId = tuple[str, int, int]
 """A microbatch: (origin data holder, iteration, index within that holder's iteration)."""
@@ -81,6 +82,14 @@ class FreeIteration:
 
 def record(event: str, **fields: Any) -> Record:
     return Record(event, tuple(fields.items()))
+
+
+Effect: TypeAlias = Send | SetTimer | CancelTimer | Log | Compute | Record | FreeIteration
+"""Everything a NodeCore handler returns: a closed union. A driver dispatches on it exhaustively
+(`match` / isinstance chain ending in `typing.assert_never`, so mypy names a missing case) and
+raises on anything else; tests/unit/test_effect_dispatch.py checks every driver handles each."""
+
+EFFECT_TYPES: tuple[type, ...] = get_args(Effect)
 
 
 # --------------------------------------------------------------------------------------------

@@ -257,7 +257,7 @@ class TrainingMixin(CoreState):
         cached when it counted the microbatch (same weights, same activation: the same
         gradient) down the chain, counting nothing again (seed 650951: every restart ended at
         a replica that had counted it, and the iteration never finished)."""
-        final = [self.send(sender, BackAck(mb=msg.mb, final=True))]
+        final: list[Effect] = [self.send(sender, BackAck(mb=msg.mb, final=True))]
         cached = self.grad_cache.get(msg.mb)
         leg = self.legs.get(msg.legs[pos]) if 0 < pos and len(msg.legs) == self.S else None
         if cached is None or leg is None or leg.mb != msg.mb or leg.phase in ("bwd", "done") \

@@ -21,7 +21,7 @@ and `free_store`. A compute first moves the inbox into the store, so a message's
 before any compute emitted after its arrival; after the job it publishes the wire form of its
 outputs (a view, no copy, on CPU) before its completion reaches the core. One lock guards the two
 dicts the threads share. A single-threaded driver (the tensor simulator) may call all of it from
-one thread; `other_effect` then frees both sides at once.
+one thread; `free_iteration` then frees both sides at once.
 
 Checkpoints (for a stage whose every replica died, and for `--resume`): after each step whose
 version is a multiple of `protocol.checkpoint_every`, every replica writes the same bytes to
@@ -64,10 +64,11 @@ from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 if TYPE_CHECKING:
     from gwtf.runtime.node import NodeIdentity
 
-DONE_EVENTS = frozenset({"training_done", "done", "self_stop"})
-CRASH_EVENTS = frozenset({"evict", "leader_lost"})
-JOIN_EVENTS = frozenset({"join_stage", "member_join", "activate"})
-ACTIVE_EVENTS = frozenset({"activated"})
+# Records the node process reacts to (each one a record the core emits)
+DONE_EVENTS = frozenset({"training_done", "self_stop"})  # this node's training is over
+CRASH_EVENTS = frozenset({"evict", "leader_lost"})  # counted in status.json's crashes_seen
+JOIN_EVENTS = frozenset({"join_stage"})  # this node was given a stage: joins_seen
+ACTIVE_EVENTS = frozenset({"activated"})  # a joiner holds its stage's state: state "active"
 
 
 def init_torch_thread(threads: int) -> None:
@@ -76,16 +77,8 @@ def init_torch_thread(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def is_record(eff: Any) -> bool:
-    return isinstance(eff, Record)
-
-
 def record_of(eff: Record) -> tuple[str, dict[str, Any]]:
     return eff.event, dict(eff.fields)
-
-
-def is_compute(eff: Any) -> bool:
-    return isinstance(eff, Compute)
 
 
 def job_id(eff: Compute) -> int:
@@ -218,21 +211,19 @@ class Host:
             self._arrivals += 1
             self._arrived[key] = self._arrivals
 
-    def other_effect(self, eff: Any, now: float,
-                     submit: Callable[[Callable[[int], None], int], None] | None = None) -> list[Any]:
+    def free_iteration(self, eff: FreeIteration,
+                       submit: Callable[[Callable[[int], None], int], None] | None = None) -> None:
         """`FreeIteration`: the wire side now; the store through `submit` (the torch thread's
         queue, in emission order), or at once when no `submit` is given (one-thread drivers)."""
-        if isinstance(eff, FreeIteration):
-            self.free_wire(eff.iteration)
-            # what arrives after this effect was emitted (e.g. a forward of the iteration a
-            # rollback starts again) is not the protocol's to drop: the torch thread runs the
-            # free later, so it frees only tensors that had arrived by now
-            cut = self._arrivals
-            if submit is None:
-                self.free_store(eff.iteration, cut)
-            else:
-                submit(lambda it: self.free_store(it, cut), eff.iteration)
-        return []
+        self.free_wire(eff.iteration)
+        # what arrives after this effect was emitted (e.g. a forward of the iteration a
+        # rollback starts again) is not the protocol's to drop: the torch thread runs the
+        # free later, so it frees only tensors that had arrived by now
+        cut = self._arrivals
+        if submit is None:
+            self.free_store(eff.iteration, cut)
+        else:
+            submit(lambda it: self.free_store(it, cut), eff.iteration)
 
     def free_wire(self, iteration: int) -> None:
         with self._lock:

@@ -35,11 +35,12 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 from gwtf.config import Config
 from gwtf.errors import UserError
 from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer
+from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.runtime import drive, keys
 from gwtf.runtime.chaos import FaultSpec, fault_from, kill_self
 from gwtf.runtime.clock import Outbox, TimerTable, WanModel
@@ -227,16 +228,13 @@ class NodeRuntime:
 
     # -- effects ------------------------------------------------------------------------------
 
-    def _apply(self, effects: Iterable[Any]) -> None:
-        """Execute effects in order (each may produce more, which run right after)."""
-        pending = list(effects)
-        while pending:
-            eff = pending.pop(0)
-            pending[0:0] = self._apply_one(eff)
+    def _apply(self, effects: Iterable[Effect]) -> None:
+        """Execute effects in order (none produces more: a core's answers run through here again)."""
+        for eff in effects:
+            self._apply_one(eff)
 
-    def _apply_one(self, eff: Any) -> list[Any]:
+    def _apply_one(self, eff: Effect) -> None:
         assert self.host is not None
-        now = asyncio.get_running_loop().time()
         if isinstance(eff, Send):
             self._send(eff.to, eff.msg)
         elif isinstance(eff, SetTimer):
@@ -245,23 +243,27 @@ class NodeRuntime:
             self.timers.cancel(eff.key)
         elif isinstance(eff, Log):
             self._log(eff)
-        elif drive.is_record(eff):
-            event, fields = drive.record_of(eff)
-            self._check_fault(event, fields)
-            self.record(event, **fields)
-            self._track(event, fields)
-            if event == "self_stop":
-                self._stopped(str(fields.get("reason", "")))
-            if event in drive.DONE_EVENTS and self.state != "finishing":
-                self.state = "finishing"
-                asyncio.get_running_loop().create_task(self._finish_then_stop())
-        elif drive.is_compute(eff):
+        elif isinstance(eff, Record):
+            self._on_record(eff)
+        elif isinstance(eff, Compute):
             point, it, mb_index, stage = drive.fault_point(eff)
             self._check_fault(point, {"iteration": it, "index": mb_index, "stage": stage})
             self._submit(eff)
+        elif isinstance(eff, FreeIteration):
+            self.host.free_iteration(eff, submit=self._submit_job)
         else:
-            return self.host.other_effect(eff, now, submit=self._submit_job)
-        return []
+            assert_never(eff)  # raises on an effect type this driver does not know
+
+    def _on_record(self, eff: Record) -> None:
+        event, fields = drive.record_of(eff)
+        self._check_fault(event, fields)
+        self.record(event, **fields)
+        self._track(event, fields)
+        if event == "self_stop":
+            self._stopped(str(fields.get("reason", "")))
+        if event in drive.DONE_EVENTS and self.state != "finishing":
+            self.state = "finishing"
+            asyncio.get_running_loop().create_task(self._finish_then_stop())
 
     def _submit_job(self, fn: Any, *args: Any) -> None:
         """Queue a torch-thread job that answers nothing (e.g. freeing tensors), in order."""
@@ -290,7 +292,7 @@ class NodeRuntime:
         (log.info if finished else log.error)("%s", line)
         self._write_status()
 
-    def _submit(self, eff: Any) -> None:
+    def _submit(self, eff: Compute) -> None:
         assert self.host is not None
         host = self.host
         fut = asyncio.get_running_loop().run_in_executor(self.executor, host.compute, eff)

@@ -42,7 +42,7 @@ from gwtf.model.stage import build_stage
 from gwtf.model.trainer import StageOptimizer, train_iteration
 from gwtf.protocol.base import Message
 from gwtf.protocol.ledger import TrainParams
-from gwtf.protocol.messages import Compute, FreeIteration
+from gwtf.protocol.messages import Compute, Effect, FreeIteration
 from gwtf.protocol.router import PeerInfo
 from gwtf.runtime.drive import Host
 from gwtf.runtime.node import NodeIdentity
@@ -173,12 +173,12 @@ class TensorSimulator(Simulator):
 
     # ---- effects and compute ------------------------------------------------------------
 
-    def _apply(self, node: str, effects: list[Any]) -> None:
+    def _apply(self, node: str, effects: list[Effect]) -> None:
         host = self.hosts.get(node)
         crash = False
         for e in effects:
             if host is not None and type(e) is FreeIteration:
-                host.other_effect(e, self.engine.now)
+                host.free_iteration(e)
             elif type(e) is Compute and (node, e.kind) in self.compute_faults:
                 seen = self.compute_seen.get((node, e.kind), 0) + 1
                 self.compute_seen[(node, e.kind)] = seen

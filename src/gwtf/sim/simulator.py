@@ -20,14 +20,14 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 from gwtf.errors import UserError
 from gwtf.flow.instance import Instance
-from gwtf.protocol.base import CancelTimer, Message, Send, SetTimer
+from gwtf.protocol.base import CancelTimer, Log, Message, Send, SetTimer
 from gwtf.protocol.core import NodeCore, make_router
 from gwtf.protocol.ledger import Policy, TrainParams
-from gwtf.protocol.messages import Compute, Record
+from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 from gwtf.protocol.view import Roster
 from gwtf.sim.churn import ChurnEvent, join_times, link_windows, node_lifetime_event, read_trace
@@ -166,31 +166,33 @@ class Simulator:
 
     # ---- effects -----------------------------------------------------------------------
 
-    def _apply(self, node: str, effects: list[Any]) -> None:
+    def _apply(self, node: str, effects: list[Effect]) -> None:
         now = self.engine.now
         for e in effects:
-            t = type(e)
-            if t is Send:
+            if isinstance(e, Send):
                 self._send(node, e.to, e.msg, now)
-            elif t is SetTimer:  # one pending timer per (node, key): a new one replaces it
+            elif isinstance(e, SetTimer):  # one pending timer per (node, key): a new one replaces it
                 key = (node, e.key)
                 old = self.timers.get(key)
                 if old is not None:
                     self.engine.cancel(old)
                 self.timers[key] = self.engine.schedule(e.at, self._fire, node, e.key)
-            elif t is CancelTimer:
+            elif isinstance(e, CancelTimer):
                 old = self.timers.pop((node, e.key), None)
                 if old is not None:
                     self.engine.cancel(old)
-            elif t is Compute:
+            elif isinstance(e, Compute):
                 if e.kind == "step":
                     self.pending_steps += 1
                 size = e.size_bytes if e.kind in DISK_JOBS else 0
                 start, end = self.compute.schedule(node, e.flops, size, now)
                 self.engine.schedule(end, self._compute_done, node, e, end - start)
-            elif t is Record:
+            elif isinstance(e, Record):
                 self._record(node, e, now)
-            # Log and FreeIteration: nothing to do (no tensors in the simulator)
+            elif isinstance(e, (Log, FreeIteration)):
+                pass  # nothing to do: the simulator keeps no log and no tensors
+            else:
+                assert_never(e)  # raises on an effect type this driver does not know
         core = self.cores.get(node)
         if core is not None and not core.alive:
             self._remove(node, now, crashed=False)
