@@ -27,6 +27,7 @@ from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
 from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
+from gwtf.protocol.kinds import ComputeKind
 from gwtf.protocol.leader import LeaderMixin
 from gwtf.protocol.ledger import CoreState, Effect, Policy, TrainParams
 from gwtf.protocol.membership import MembershipMixin
@@ -215,13 +216,13 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             return []
         kind, ref = entry
         out: list[Effect] = [record("compute_failed", node=self.me.id, kind=kind, reason=reason[:200])]
-        if kind in ("export_state", "read_checkpoint"):
+        if kind in (ComputeKind.EXPORT_STATE, ComputeKind.READ_CHECKPOINT):
             to, key, _version = ref
             return self._drain(out + [self.send(to, m.StateTransfer(stage=key[1], version=-1, key=(),
                                                                      ok=False))], now)
-        if kind in ("export_checkpoint", "store_checkpoint"):
+        if kind in (ComputeKind.EXPORT_CHECKPOINT, ComputeKind.STORE_CHECKPOINT):
             return out  # a data holder's copy of a checkpoint is missing; training goes on
-        if kind in ("import_state", "load_checkpoint") and not self.active:
+        if kind in (ComputeKind.IMPORT_STATE, ComputeKind.LOAD_CHECKPOINT) and not self.active:
             return self._drain(out + self.state_failed(kind, now), now)
         return self._drain(out + self.leave(now) + self.stop("compute_failed", now), now)
 

@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.kinds import ComputeKind
 from gwtf.protocol.ledger import NONE, CoreState, Effect, Leg, Origin
 from gwtf.protocol.messages import (
     Compute,
@@ -638,8 +639,8 @@ class MembershipMixin(CoreState):
             return self._ask_state(holders[0], StateRequest(stage=self.me.stage, checkpoint=checkpoint), size, now)
         self.state_source = "checkpoint"
         key = ("state", self.me.stage, checkpoint, "checkpoint")
-        job = self.job("load_checkpoint", checkpoint)
-        return [Compute(job, "load_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+        job = self.job(ComputeKind.LOAD_CHECKPOINT, checkpoint)
+        return [Compute(job, ComputeKind.LOAD_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
 
     def _ask_state(self, src: NodeId, req: StateRequest, size: int, now: float) -> list[Effect]:
         """Send a state request to `src` with the state deadline (`on_state_timer`)."""
@@ -665,8 +666,8 @@ class MembershipMixin(CoreState):
             return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
         key = ("state", self.me.stage, self.version, self.me.id)
         size = self.train.stage_state_bytes[self.me.stage]
-        job = self.job("export_state", (sender, key, self.version))
-        return [Compute(job, "export_state", self.me.stage, None, 0.0, (), (key,), size)]
+        job = self.job(ComputeKind.EXPORT_STATE, (sender, key, self.version))
+        return [Compute(job, ComputeKind.EXPORT_STATE, self.me.stage, None, 0.0, (), (key,), size)]
 
     def _checkpoint_request(self, sender: NodeId, msg: StateRequest) -> list[Effect]:
         """A data holder answers a joiner with its copy of checkpoint `msg.checkpoint` of
@@ -676,8 +677,8 @@ class MembershipMixin(CoreState):
             return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
         key = ("ckpt", msg.stage, msg.checkpoint, self.me.id)
         size = self.train.stage_state_bytes[msg.stage]
-        job = self.job("read_checkpoint", (sender, key, msg.checkpoint))
-        return [Compute(job, "read_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+        job = self.job(ComputeKind.READ_CHECKPOINT, (sender, key, msg.checkpoint))
+        return [Compute(job, ComputeKind.READ_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
 
     def _keep_checkpoint(self, sender: NodeId, msg: StateTransfer) -> list[Effect]:
         """A data holder receives a relay stage's checkpoint from one of its replicas: keep it."""
@@ -687,8 +688,9 @@ class MembershipMixin(CoreState):
               and v >= 1 and v % self.cfg.checkpoint_every == 0 and msg.key == ("ckpt", k, v, sender))
         if not ok:
             return [log("warning", "checkpoint_refused", sender=sender, stage=k, version=v)]
-        job = self.job("store_checkpoint", msg.key)
-        return [Compute(job, "store_checkpoint", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
+        job = self.job(ComputeKind.STORE_CHECKPOINT, msg.key)
+        return [Compute(job, ComputeKind.STORE_CHECKPOINT, self.me.stage, None, 0.0, (msg.key,), (),
+                        msg.size_bytes)]
 
     def on_state_transfer(self, sender: NodeId, msg: StateTransfer, now: float) -> list[Effect]:
         if self.active and msg.key[:1] == ("ckpt",):
@@ -703,21 +705,22 @@ class MembershipMixin(CoreState):
         if msg.key[:1] == ("ckpt",):
             out.append(record("checkpoint_fetched", node=self.me.id, stage=msg.stage, version=msg.version,
                               source=sender))
-        job = self.job("import_state", msg.version)
-        return out + [Compute(job, "import_state", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
+        job = self.job(ComputeKind.IMPORT_STATE, msg.version)
+        return out + [Compute(job, ComputeKind.IMPORT_STATE, self.me.stage, None, 0.0, (msg.key,), (),
+                              msg.size_bytes)]
 
-    def membership_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
-        if kind in ("export_state", "read_checkpoint"):
+    def membership_compute_done(self, kind: ComputeKind, ref: Any, now: float) -> list[Effect]:
+        if kind in (ComputeKind.EXPORT_STATE, ComputeKind.READ_CHECKPOINT):
             to, key, version = ref
             size = self.train.stage_state_bytes[key[1]]
             return [self.send_booked(to, StateTransfer(stage=key[1], version=version, key=key, size_bytes=size),
                                      now)]
-        if kind == "export_checkpoint":
+        if kind == ComputeKind.EXPORT_CHECKPOINT:
             targets, key, version = ref
             size = self.train.stage_state_bytes[key[1]]
             msg = StateTransfer(stage=key[1], version=version, key=key, size_bytes=size)
             return [self.send_booked(d, msg, now) for d in targets]
-        if kind in ("import_state", "load_checkpoint"):
+        if kind in (ComputeKind.IMPORT_STATE, ComputeKind.LOAD_CHECKPOINT):
             if self.active or self.me.stage < 0:
                 return []
             self.version = int(ref)
@@ -725,7 +728,7 @@ class MembershipMixin(CoreState):
             return [self.send(self.leader, Ready(stage=self.me.stage, version=self.version, peer=to_tuple(self.me)))]
         return []
 
-    def state_failed(self, kind: str, now: float) -> list[Effect]:
+    def state_failed(self, kind: ComputeKind, now: float) -> list[Effect]:
         """Importing fetched state (or loading the checkpoint) failed: fetch again."""
         return self.fetch_state(self.restore_point(), now)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, get_args
 
 from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer, fast_init, message
+from gwtf.protocol.kinds import ComputeKind
 
 MbId = tuple[str, int, int]
 """A microbatch: (origin data holder, iteration, index within that holder's iteration)."""
@@ -40,20 +41,10 @@ NONE = -1  # "no value" for int fields (messages carry no Optional nested types)
 class Compute:
     """Run one stage computation; the driver answers with `on_compute_done(job_id, now)`.
 
-    kind: "embed" (DH: embedding forward), "forward", "loss" (DH: head fwd+bwd, writes the
-    gradient w.r.t. the returned activation), "backward" (accumulates the stage's parameter
-    gradients), "embed_backward" (DH), "export_grad" (accumulated gradient -> a key), "reduce"
-    (sum the input gradients in the given order, divide by `count`), "step" (optimizer step on
-    the reduced gradient),
-    "reset_grad" (discard accumulated gradients), "export_state" / "import_state" (weights +
-    optimizer state under a key), "load_checkpoint" (this host's copy), "export_checkpoint"
-    (a replica: the checkpoint it just wrote, under a "ckpt" key, for the data holders),
-    "store_checkpoint" (a data holder: keep a received "ckpt" key on disk), "read_checkpoint"
-    (a data holder: its copy of a stage's checkpoint under a "ckpt" key, for a joiner).
-    """
+    kind: what to run (`kinds.ComputeKind` says what each kind means)."""
 
     job_id: int
-    kind: str
+    kind: ComputeKind
     stage: int
     mb: MbId | None
     flops: float

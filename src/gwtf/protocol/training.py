@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.kinds import ComputeKind
 from gwtf.protocol.ledger import CoreState, Effect, GradOut, Leg, Origin
 from gwtf.protocol.messages import (
     NONE,
@@ -67,7 +68,8 @@ class TrainingMixin(CoreState):
             self.origins[mb] = o
             out.append(record("mb_start", mb=mb, node=self.me.id))
             flops = EMBED * self.train.stage_flops[0]
-            out.append(Compute(self.job("embed", mb), "embed", 0, mb, flops, (), (o.out_key,)))
+            out.append(Compute(self.job(ComputeKind.EMBED, mb), ComputeKind.EMBED, 0, mb, flops, (),
+                               (o.out_key,)))
             out.append(self.timer(("mb", mb), self._mb_deadline_s(), now))
         return out
 
@@ -176,8 +178,8 @@ class TrainingMixin(CoreState):
         self.legs[n] = leg
         flops = FWD * self.train.stage_flops[self.me.stage]
         return [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1])),
-                Compute(self.job("forward", n), "forward", self.me.stage, msg.mb, flops, (msg.key,),
-                        (leg.out_key,))]
+                Compute(self.job(ComputeKind.FORWARD, n), ComputeKind.FORWARD, self.me.stage, msg.mb, flops,
+                        (msg.key,), (leg.out_key,))]
 
     def _dh_return(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
         out: list[Effect] = [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1]))]
@@ -189,8 +191,8 @@ class TrainingMixin(CoreState):
         o.phase = "loss"
         lgrad = self.mb_key("lgrad", o.mb, o.mb[2])
         flops = LOSS * self.train.stage_flops[0]
-        job = self.job("loss", (o.mb, msg.path, msg.legs, lgrad))
-        return out + [Compute(job, "loss", 0, o.mb, flops, (msg.key,), (lgrad,))]
+        job = self.job(ComputeKind.LOSS, (o.mb, msg.path, msg.legs, lgrad))
+        return out + [Compute(job, ComputeKind.LOSS, 0, o.mb, flops, (msg.key,), (lgrad,))]
 
     def _rec(self, mb: MbId, leg: int) -> tuple[Leg | Origin | None, int | MbId]:
         if self.me.stage == 0:
@@ -232,8 +234,8 @@ class TrainingMixin(CoreState):
             o.phase = "embed_bwd"
             out.append(self.cancel(("gget", o.mb)))
             flops = EMBED_BWD * self.train.stage_flops[0]
-            job = self.job("embed_backward", (o.mb, sender))
-            return out + [Compute(job, "embed_backward", 0, o.mb, flops, (msg.key,), ())]
+            job = self.job(ComputeKind.EMBED_BACKWARD, (o.mb, sender))
+            return out + [Compute(job, ComputeKind.EMBED_BACKWARD, 0, o.mb, flops, (msg.key,), ())]
         leg = self.legs.get(msg.legs[pos]) if len(msg.legs) == self.S else None
         if leg is None or leg.mb != msg.mb or leg.phase == "bwd":
             return [log("warning", "unknown_backward", mb=msg.mb, sender=sender)]
@@ -245,9 +247,9 @@ class TrainingMixin(CoreState):
         leg.phase = "bwd"
         gkey = self.mb_key("grad", leg.mb, leg.n)
         flops = BWD * self.train.stage_flops[pos]
-        job = self.job("backward", (leg.n, msg.path, msg.legs, gkey, sender))
-        return out + [Compute(job, "backward", pos, leg.mb, flops, (leg.in_key, leg.out_key, msg.key),
-                              (gkey,))]
+        job = self.job(ComputeKind.BACKWARD, (leg.n, msg.path, msg.legs, gkey, sender))
+        return out + [Compute(job, ComputeKind.BACKWARD, pos, leg.mb, flops,
+                              (leg.in_key, leg.out_key, msg.key), (gkey,))]
 
     def _backward_counted(self, sender: NodeId, msg: Backward, pos: int, now: float) -> list[Effect]:
         """A backward for a microbatch this node has counted already. A duplicate, or the end of
@@ -273,15 +275,15 @@ class TrainingMixin(CoreState):
 
     # ---- compute completions ------------------------------------------------------------
 
-    def training_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
-        if kind == "embed":
+    def training_compute_done(self, kind: ComputeKind, ref: Any, now: float) -> list[Effect]:
+        if kind == ComputeKind.EMBED:
             o = self.origins.get(ref)
             if o is None or o.phase != "embed":
                 return []
             return self._resend(o, now)
-        if kind == "forward":
+        if kind == ComputeKind.FORWARD:
             return self._forward_done(ref, now)  # type: ignore[arg-type]
-        if kind == "loss":
+        if kind == ComputeKind.LOSS:
             mb, path, legs, lgrad = ref
             o = self.origins.get(mb)
             if o is None:
@@ -289,7 +291,7 @@ class TrainingMixin(CoreState):
             o.phase = "backward"
             self.grad_cache[mb] = (lgrad, path, legs)
             return self._send_grad(mb, path, legs, self.S, lgrad, now)
-        if kind == "backward":
+        if kind == ComputeKind.BACKWARD:
             n, path, legs, gkey, ack_to = ref
             leg = self.legs.get(n)
             if leg is None or leg.mb in self.contributed:
@@ -297,7 +299,7 @@ class TrainingMixin(CoreState):
             leg.phase = "done"
             ack = self.send(ack_to, BackAck(mb=leg.mb, final=True))
             return self._contribute(leg.mb, n, now) + self._after_backward(leg, path, legs, gkey, now) + [ack]
-        if kind == "embed_backward":
+        if kind == ComputeKind.EMBED_BACKWARD:
             mb, ack_to = ref
             o = self.origins.get(mb)
             if o is None or o.mb in self.contributed:

@@ -45,7 +45,7 @@ import zlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
+from gwtf.protocol.kinds import ComputeKind
 from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.runtime import checkpoints, statefile
@@ -93,7 +94,9 @@ def fault_point(eff: Compute) -> tuple[str, int | None, int | None, int]:
     for key in eff.inputs + eff.outputs:
         if len(key) > 2 and isinstance(key[2], int):
             it = int(key[2])
-    return ("aggregate" if eff.kind in ("export_grad", "reduce", "step") else eff.kind), it, None, eff.stage
+    aggregate = eff.kind in (ComputeKind.EXPORT_GRAD, ComputeKind.REDUCE, ComputeKind.STEP)
+    point = "aggregate" if aggregate else eff.kind
+    return point, it, None, eff.stage
 
 
 @dataclass(slots=True)
@@ -293,46 +296,50 @@ class Host:
     def _run_job(self, w: StageWorker, eff: Compute) -> ComputeResult:
         out = ComputeResult()
         kind, ins, outs = eff.kind, eff.inputs, eff.outputs
-        if kind == "embed":
-            assert eff.mb is not None
-            tokens = w.embed(eff.mb, eff.mb[1], eff.mb[2], outs[0])
-            out.records.append(("tokens", {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
-        elif kind == "forward":
-            w.forward(outs[0], ins[0], outs[0])
-        elif kind == "loss":
-            assert eff.mb is not None
-            loss = w.loss(eff.mb, ins[0], outs[0])
-            tokens = self.cfg.model.microbatch_size * self.cfg.model.seq_len
-            out.records.append(("loss", {"iteration": eff.mb[1], "index": eff.mb[2], "loss": loss, "tokens": tokens}))
-        elif kind == "backward":
-            w.backward(ins[1], ins[2], outs[0])
-        elif kind == "embed_backward":
-            assert eff.mb is not None
-            w.backward(eff.mb, ins[0], None)
-        elif kind == "export_grad":
-            w.store[outs[0]] = w.grads_flat()
-            self.grad_counts[outs[0]] = w.microbatches_accumulated
-        elif kind == "reset_grad":
-            w.zero_grads()
-        elif kind == "reduce":
-            w.store[outs[0]] = w.reduce([w.store[k] for k in ins], eff.count)
-            self.grad_counts[outs[0]] = eff.count
-        elif kind == "step":
-            out.records.append(("stepped", self._step(w, eff)))
-        elif kind == "export_state":  # one buffer, on the CPU: the transport streams it in chunks
-            blob = statefile.export_state(w)  # only ever sent: its wire form is the buffer itself
-            with self._lock:
-                self._wire[outs[0]] = blob
-            out.records.append(("state_exported", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
-        elif kind == "import_state":
-            out.records.append(self._import_state(w, ins[0]))
-        elif kind == "load_checkpoint":
-            self._load_checkpoint(w, outs[0])
-            out.records.append(("state_loaded", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
-        elif kind in ("export_checkpoint", "store_checkpoint", "read_checkpoint"):
-            out.records.append(self._checkpoint_copy(w, eff))
-        else:
-            raise ValueError(f"unknown compute kind {kind!r}")
+        match kind:
+            case ComputeKind.EMBED:
+                assert eff.mb is not None
+                tokens = w.embed(eff.mb, eff.mb[1], eff.mb[2], outs[0])
+                out.records.append(("tokens", {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
+            case ComputeKind.FORWARD:
+                w.forward(outs[0], ins[0], outs[0])
+            case ComputeKind.LOSS:
+                assert eff.mb is not None
+                loss = w.loss(eff.mb, ins[0], outs[0])
+                tokens = self.cfg.model.microbatch_size * self.cfg.model.seq_len
+                out.records.append(("loss", {"iteration": eff.mb[1], "index": eff.mb[2], "loss": loss,
+                                             "tokens": tokens}))
+            case ComputeKind.BACKWARD:
+                w.backward(ins[1], ins[2], outs[0])
+            case ComputeKind.EMBED_BACKWARD:
+                assert eff.mb is not None
+                w.backward(eff.mb, ins[0], None)
+            case ComputeKind.EXPORT_GRAD:
+                w.store[outs[0]] = w.grads_flat()
+                self.grad_counts[outs[0]] = w.microbatches_accumulated
+            case ComputeKind.RESET_GRAD:
+                w.zero_grads()
+            case ComputeKind.REDUCE:
+                w.store[outs[0]] = w.reduce([w.store[k] for k in ins], eff.count)
+                self.grad_counts[outs[0]] = eff.count
+            case ComputeKind.STEP:
+                out.records.append(("stepped", self._step(w, eff)))
+            case ComputeKind.EXPORT_STATE:  # one buffer, on the CPU: the transport streams it in chunks
+                blob = statefile.export_state(w)  # only ever sent: its wire form is the buffer itself
+                with self._lock:
+                    self._wire[outs[0]] = blob
+                out.records.append(("state_exported", {"stage": w.stage, "version": outs[0][2],
+                                                       "hash": w.weights_hash()}))
+            case ComputeKind.IMPORT_STATE:
+                out.records.append(self._import_state(w, ins[0]))
+            case ComputeKind.LOAD_CHECKPOINT:
+                self._load_checkpoint(w, outs[0])
+                out.records.append(("state_loaded", {"stage": w.stage, "version": outs[0][2],
+                                                     "hash": w.weights_hash()}))
+            case ComputeKind.EXPORT_CHECKPOINT | ComputeKind.STORE_CHECKPOINT | ComputeKind.READ_CHECKPOINT:
+                out.records.append(self._checkpoint_copy(w, eff))
+            case _:
+                assert_never(kind)  # raises on a kind this driver does not know
         return out
 
     def _import_state(self, w: StageWorker, key: Sequence[Any]) -> tuple[str, dict[str, Any]]:
@@ -356,14 +363,14 @@ class Host:
         key = (eff.outputs or eff.inputs)[0]
         stage, version = int(key[1]), int(key[2])
         fields: dict[str, Any] = {"stage": stage, "version": version}
-        if eff.kind == "store_checkpoint":
+        if eff.kind == ComputeKind.STORE_CHECKPOINT:
             arr = tensor_to_numpy(w.store.pop(key))
             with self._lock:
                 self._wire.pop(key, None)
             fields.update(source=key[3], written=checkpoints.keep_version(self.ckpt_dir, stage, version,
                                                                          memoryview(arr)))
             return "checkpoint_stored", fields
-        if eff.kind == "export_checkpoint":
+        if eff.kind == ComputeKind.EXPORT_CHECKPOINT:
             last = self._last_blob
             blob = last[2] if last is not None and last[:2] == (stage, version) else w.state_blob()
         else:
@@ -371,7 +378,8 @@ class Host:
         self._last_blob = None
         with self._lock:
             self._wire[key] = blob  # only ever sent: its wire form is the buffer itself
-        return ("checkpoint_exported" if eff.kind == "export_checkpoint" else "checkpoint_served"), fields
+        exported = eff.kind == ComputeKind.EXPORT_CHECKPOINT
+        return ("checkpoint_exported" if exported else "checkpoint_served"), fields
 
     def compute_done(self, eff: Compute, result: ComputeResult, now: float) -> list[Any]:
         return list(self.core.on_compute_done(eff.job_id, now))

@@ -41,6 +41,7 @@ from gwtf.model.presets import model_spec
 from gwtf.model.stage import build_stage
 from gwtf.model.trainer import StageOptimizer, train_iteration
 from gwtf.protocol.base import Message
+from gwtf.protocol.kinds import ComputeKind
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute, Effect, FreeIteration
 from gwtf.protocol.router import PeerInfo
@@ -236,7 +237,7 @@ def run_with_tensors(sc: ScenarioConfig, seed: int, cfg: Config, dataset: TokenD
 # ---- crash schedules, the reference, comparison ------------------------------------------
 
 RECORD_POINTS = ("contribute", "iter_seen", "step", "redo", "reroute")
-COMPUTE_POINTS = ("forward", "backward", "export_grad", "step")
+COMPUTE_POINTS = (ComputeKind.FORWARD, ComputeKind.BACKWARD, ComputeKind.EXPORT_GRAD, ComputeKind.STEP)
 
 
 def relay_crash_schedule(rng: random.Random, by_stage: Sequence[Sequence[str]], max_time_s: float,

@@ -26,6 +26,7 @@ from gwtf.errors import UserError
 from gwtf.flow.instance import Instance
 from gwtf.protocol.base import CancelTimer, Log, Message, Send, SetTimer
 from gwtf.protocol.core import NodeCore, make_router
+from gwtf.protocol.kinds import DISK_KINDS, ComputeKind
 from gwtf.protocol.ledger import Policy, TrainParams
 from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
@@ -36,9 +37,6 @@ from gwtf.sim.invariants import InvariantChecker
 from gwtf.sim.metrics import Metrics
 from gwtf.sim.models import ComputeModel, LinkWindow, NetworkModel
 from gwtf.sim.scenario import Fault, ScenarioConfig, build
-
-DISK_JOBS = frozenset({"load_checkpoint", "read_checkpoint", "store_checkpoint"})
-"""Computes that read or write a checkpoint: charged their bytes at the disk's bandwidth."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +180,9 @@ class Simulator:
                 if old is not None:
                     self.engine.cancel(old)
             elif isinstance(e, Compute):
-                if e.kind == "step":
+                if e.kind == ComputeKind.STEP:
                     self.pending_steps += 1
-                size = e.size_bytes if e.kind in DISK_JOBS else 0
+                size = e.size_bytes if e.kind in DISK_KINDS else 0  # checkpoint reads/writes: disk bandwidth
                 start, end = self.compute.schedule(node, e.flops, size, now)
                 self.engine.schedule(end, self._compute_done, node, e, end - start)
             elif isinstance(e, Record):
@@ -235,7 +233,7 @@ class Simulator:
         if core is None:
             return
         self.metrics.on_job(node, job.kind, job.mb, dur_s)
-        if job.kind == "step":
+        if job.kind == ComputeKind.STEP:
             self.pending_steps -= 1
         self._apply(node, core.on_compute_done(job.job_id, self.engine.now))
 
@@ -264,7 +262,7 @@ class Simulator:
     def _remove(self, node: str, now: float, crashed: bool) -> None:
         if node not in self.cores:
             return
-        self.pending_steps -= sum(1 for j in self.cores[node].jobs.values() if j[0] == "step")
+        self.pending_steps -= sum(1 for j in self.cores[node].jobs.values() if j[0] == ComputeKind.STEP)
         del self.cores[node]
         self.dead_at[node] = now if crashed else max(now, self.net.uplink_free_s.get(node, now))
         self.checker.on_dead(node, now)

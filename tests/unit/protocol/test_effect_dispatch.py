@@ -4,7 +4,7 @@
 Two checks: an inspection of each driver's dispatch (the effect classes it `isinstance`-tests
 must cover the union, and it must end in `assert_never`, so mypy names a missing case), and a
 run of the simulator's dispatch on one instance of every effect type (plus an unknown object,
-which must raise)."""
+which must raise). The same for compute kinds in the runtime's job dispatch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import pytest
 from core_harness import Harness
 
 from gwtf.protocol.base import CancelTimer, Log, RouterEffect, Send, SetTimer, log
+from gwtf.protocol.kinds import ComputeKind
 from gwtf.protocol.messages import EFFECT_TYPES, Compute, FreeIteration, GradRequest, Record, record
+from gwtf.runtime.drive import Host
 from gwtf.runtime.node import NodeRuntime
 from gwtf.sim.routing_sim import RoutingSim
 from gwtf.sim.scenario import load_scenario
@@ -86,3 +88,15 @@ def test_the_simulator_runs_every_effect_type_and_refuses_an_unknown_one() -> No
         assert done(), f"the simulator did not act on {eff!r}"
     with pytest.raises(AssertionError):
         sim._apply(a, [object()])  # type: ignore[list-item]
+
+
+def test_the_runtime_runs_every_compute_kind() -> None:
+    """Host._run_job matches every ComputeKind (and ends in assert_never): a new kind is a
+    mypy error there and fails here, instead of a job the runtime never runs."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Host._run_job)))
+    handled = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and isinstance(n.value, ast.Name) and n.value.id == "ComputeKind"}
+    missing = {k.name for k in ComputeKind} - handled
+    assert not missing, f"Host._run_job does not run {sorted(missing)}"
+    assert "assert_never" in {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+                              and isinstance(n.func, ast.Name)}
