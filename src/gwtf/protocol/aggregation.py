@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gwtf.protocol.base import IdentityMemo, NodeId, log
-from gwtf.protocol.kinds import ComputeKind
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import NONE, CoreState, Effect
 from gwtf.protocol.messages import (
     Collect,
@@ -179,7 +179,7 @@ class AggregationMixin(CoreState):
             self.have_round = NONE
         self.iteration = msg.iteration
         self.reported = False
-        out: list[Effect] = [record("iter_seen", node=self.me.id, iteration=msg.iteration)]
+        out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.me.id, iteration=msg.iteration)]
         if self.me.stage == 0:
             out += self.dh_start_iteration(now)  # type: ignore[attr-defined]
         pending, self.pending_fwd = self.pending_fwd, []
@@ -233,7 +233,7 @@ class AggregationMixin(CoreState):
             return []
         self.contributed.clear()
         job = self.job(ComputeKind.RESET_GRAD, None)
-        return [record("reset", node=self.me.id, stage=self.me.stage, iteration=msg.iteration),
+        return [record(RecordName.RESET, node=self.me.id, stage=self.me.stage, iteration=msg.iteration),
                 Compute(job, ComputeKind.RESET_GRAD, self.me.stage, None, 0.0),
                 self.send(sender, self._report())]
 
@@ -378,7 +378,7 @@ class AggregationMixin(CoreState):
             return self._reduced(ref, now)
         if kind == ComputeKind.STEP:
             it, rnd, contributors = ref
-            return [record("step", node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,
+            return [record(RecordName.STEP, node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,
                            version=it + 1, contributors=contributors), FreeIteration(it)]
         return []
 
@@ -396,11 +396,11 @@ class AggregationMixin(CoreState):
         if not self.active:
             return []
         if held:
-            return [record("rollback_node", node=self.me.id, version=msg.version, held=True), FreeIteration(10**9)]
+            return [record(RecordName.ROLLBACK_NODE, node=self.me.id, version=msg.version, held=True), FreeIteration(10**9)]
         job = self.job(ComputeKind.LOAD_CHECKPOINT, msg.version)
         size = self.train.stage_state_bytes[self.me.stage]
         key = ("state", self.me.stage, msg.version, "checkpoint")
-        return [record("rollback_node", node=self.me.id, version=msg.version),
+        return [record(RecordName.ROLLBACK_NODE, node=self.me.id, version=msg.version),
                 FreeIteration(10**9),
                 Compute(job, ComputeKind.LOAD_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
 

@@ -1,8 +1,10 @@
-"""The closed vocabularies the core and its drivers share: compute kinds (and record names).
+"""The closed vocabularies the core and its drivers share: compute kinds and record names.
 
 Owns `ComputeKind`, the `kind` of every `messages.Compute` effect: what a driver runs for it
-(docs/protocol.md, the driver contract). `enum.StrEnum`, so each member is its string: logs,
-records and fault points keep the same names, and a plain string compares equal to it.
+(docs/protocol.md, the driver contract), and `RecordName`, the `event` of every `Record` (the
+core's facts, and the records the runtime adds to a node's records.jsonl). Both are
+`enum.StrEnum`, so each member is its string: records.jsonl, metrics, audit and fault points keep
+the same names (contracts), and a plain string compares equal to (and hashes like) its member.
 
 A leaf module (imports nothing of gwtf). Must not import torch, asyncio, socket, threading or time.
 """
@@ -35,3 +37,74 @@ class ComputeKind(StrEnum):
 
 DISK_KINDS = frozenset({ComputeKind.LOAD_CHECKPOINT, ComputeKind.READ_CHECKPOINT, ComputeKind.STORE_CHECKPOINT})
 """Computes that read or write a checkpoint (the simulator charges their bytes at disk bandwidth)."""
+
+
+@unique
+class RecordName(StrEnum):
+    """The `event` of a `Record` effect or a records.jsonl line."""
+
+    # the core's (`messages.record`): the simulator's metrics and invariants, the node's records.jsonl
+    ABANDONED = "abandoned"
+    ACTIVATED = "activated"
+    ADMIT_HOLD = "admit_hold"
+    ADMIT_TIMEOUT = "admit_timeout"
+    AGG_RESET = "agg_reset"
+    CHAIN_FAILED = "chain_failed"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_FETCHED = "checkpoint_fetched"
+    COLLECT = "collect"
+    COMPUTE_FAILED = "compute_failed"
+    CONTRIBUTE = "contribute"
+    DECISION = "decision"
+    DH_LOST = "dh_lost"
+    DUP_RETURN = "dup_return"
+    EVICT = "evict"
+    GRAD_PASSED_ON = "grad_passed_on"
+    ITER_SEEN = "iter_seen"
+    ITER_START = "iter_start"
+    ITERATION_DONE = "iteration_done"
+    JOIN = "join"
+    JOIN_RETRY = "join_retry"
+    JOIN_STAGE = "join_stage"
+    JOIN_START = "join_start"
+    JOINER_REASSIGNED = "joiner_reassigned"
+    LEADER_CHANGE = "leader_change"
+    LEADER_LOST = "leader_lost"
+    LEADER_STEPDOWN = "leader_stepdown"
+    LEADER_TAKEOVER = "leader_takeover"
+    LEADER_TERM = "leader_term"
+    LEAVE = "leave"
+    MB_INCOMPLETE = "mb_incomplete"
+    MB_RESTART = "mb_restart"
+    MB_START = "mb_start"
+    REBALANCE = "rebalance"
+    REDO = "redo"
+    REJOIN = "rejoin"
+    REROUTE = "reroute"
+    RESET = "reset"
+    ROLLBACK = "rollback"
+    ROLLBACK_NODE = "rollback_node"
+    SELF_STOP = "self_stop"
+    STAGE_LOST = "stage_lost"
+    STAGE_MOVE = "stage_move"
+    STATE_SOURCE_LOST = "state_source_lost"
+    STATE_TIMEOUT = "state_timeout"
+    STEP = "step"
+    SUSPECT = "suspect"
+    SWARM_MOVE = "swarm_move"
+    TRAINING_DONE = "training_done"
+    UNAUTHORIZED = "unauthorized"
+    # the runtime's compute jobs (`drive.ComputeResult`), in records.jsonl
+    TOKENS = "tokens"
+    LOSS = "loss"
+    STEPPED = "stepped"
+    STATE_EXPORTED = "state_exported"
+    STATE_IMPORTED = "state_imported"
+    STATE_LOADED = "state_loaded"
+    CHECKPOINT_STORED = "checkpoint_stored"
+    CHECKPOINT_EXPORTED = "checkpoint_exported"
+    CHECKPOINT_SERVED = "checkpoint_served"
+    # the node process's own (`NodeRuntime.record`; a graceful leave is the core's LEAVE)
+    MESSAGE_REFUSED = "message_refused"
+    LOOP_STALL = "loop_stall"
+    FAULT = "fault"

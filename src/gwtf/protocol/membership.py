@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from gwtf.protocol.base import NodeId, log
-from gwtf.protocol.kinds import ComputeKind
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import NONE, CoreState, Effect, Leg, Origin
 from gwtf.protocol.messages import (
     Compute,
@@ -90,7 +90,7 @@ class MembershipMixin(CoreState):
         self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / max(self.me.compute_s, 1e-9)
         out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
         if self.me.stage < 0:
-            out.append(record("join_start", node=self.me.id))
+            out.append(record(RecordName.JOIN_START, node=self.me.id))
             return out + self.send_join(now)
         if self.cfg.view_size > 0:
             # bounded views (protocol.view): O(what this node keeps) from the shared roster
@@ -245,7 +245,7 @@ class MembershipMixin(CoreState):
         if self.voted_for != candidates[0] or self.vote_term <= self.term:
             self.vote_term = max(self.vote_term, self.term) + 1
             self.voted_for = candidates[0]
-            out.append(record("leader_lost", node=self.me.id, leader=self.leader, vote=candidates[0],
+            out.append(record(RecordName.LEADER_LOST, node=self.me.id, leader=self.leader, vote=candidates[0],
                               term=self.vote_term))
         return out + [self.send(candidates[0], LeaderVote(term=self.vote_term, old=self.leader))]
 
@@ -267,8 +267,8 @@ class MembershipMixin(CoreState):
         old = self.leader
         self._adopt_term(msg.term, self.me.id, now)
         self.vote_term, self.voted_for = msg.term, self.me.id
-        out: list[Effect] = [record("leader_change", node=self.me.id, leader=self.me.id, votes=live, term=msg.term),
-                             record("leader_term", node=self.me.id, term=msg.term)]
+        out: list[Effect] = [record(RecordName.LEADER_CHANGE, node=self.me.id, leader=self.me.id, votes=live, term=msg.term),
+                             record(RecordName.LEADER_TERM, node=self.me.id, term=msg.term)]
         out += self.become_leader(now)
         return out + self.evict(old, False, now)
 
@@ -294,7 +294,7 @@ class MembershipMixin(CoreState):
             return True, []
         if term > self.term and self.active and sender not in self.directory:
             # only a member's word raises the term: a stranger (or an evicted node) cannot depose
-            return False, [record("unauthorized", node=self.me.id, sender=sender, type="term", allowed="a member")]
+            return False, [record(RecordName.UNAUTHORIZED, node=self.me.id, sender=sender, type="term", allowed="a member")]
         if term < self.term:
             return False, [log("info", "stale_term_refused", sender=sender, term=term, current=self.term),
                            self.send(sender, TermNotice(term=self.term, leader=self.leader))]
@@ -312,7 +312,7 @@ class MembershipMixin(CoreState):
     def _follow(self, term: int, leader: NodeId, now: float) -> list[Effect]:
         was_leader = self.is_leader
         self._adopt_term(term, leader, now)
-        return [record("leader_stepdown", node=self.me.id, term=term, leader=leader)] if was_leader else []
+        return [record(RecordName.LEADER_STEPDOWN, node=self.me.id, term=term, leader=leader)] if was_leader else []
 
     def on_term_notice(self, sender: NodeId, msg: TermNotice, now: float) -> list[Effect]:
         if msg.term > self.term or (msg.term == self.term and not self.leader and msg.leader):
@@ -352,7 +352,7 @@ class MembershipMixin(CoreState):
         of them may be fetching its state from `pid`)."""
         self.last_hb.pop(pid, None)
         self.pending_stage.pop(pid, None)
-        out: list[Effect] = [record("evict", node=pid, by=self.me.id, graceful=graceful)]
+        out: list[Effect] = [record(RecordName.EVICT, node=pid, by=self.me.id, graceful=graceful)]
         msg = MemberDown(term=self.term, node=pid, graceful=graceful)
         out += [self.send(q, msg) for q in sorted(self.directory) if q not in (pid, self.me.id)]
         out += [self.send(q, msg) for q in sorted(self.pending_joiners) if q != pid and q not in self.directory]
@@ -364,7 +364,7 @@ class MembershipMixin(CoreState):
         if peer in self.suspects or peer not in self.directory or peer == self.me.id:
             return []
         self.suspects.add(peer)
-        out: list[Effect] = [record("suspect", node=self.me.id, peer=peer),
+        out: list[Effect] = [record(RecordName.SUSPECT, node=self.me.id, peer=peer),
                              self.timer(("unsuspect", peer), self.cfg.evict_after_s, now)]
         out += list(self.router.on_peer_down(peer, now))
         if self.leader:
@@ -402,7 +402,7 @@ class MembershipMixin(CoreState):
             return self.on_evicted(sender, Evicted(term=msg.term), now)
         out = self.peer_down(msg.node, now)
         if not self.active and self.me.stage >= 0 and msg.node == self.state_source:
-            out += [record("state_source_lost", node=self.me.id, source=msg.node)]
+            out += [record(RecordName.STATE_SOURCE_LOST, node=self.me.id, source=msg.node)]
             out += self.fetch_state(self.restore_point(), now)
         return out
 
@@ -415,7 +415,7 @@ class MembershipMixin(CoreState):
 
     def stop(self, reason: str, now: float) -> list[Effect]:
         self.alive = False
-        return [record("self_stop", node=self.me.id, reason=reason)]
+        return [record(RecordName.SELF_STOP, node=self.me.id, reason=reason)]
 
     def peer_down(self, pid: NodeId, now: float) -> list[Effect]:
         """`pid` is gone: drop it, recover every piece of in-flight work that waited on it."""
@@ -445,10 +445,10 @@ class MembershipMixin(CoreState):
             # (every node keeps every data holder, so all name the same successor)
             self._adopt_term(self.term + 1, self._choose_leader(), now)
             successor = self.leader == self.me.id
-            out.append(record("leader_change", node=self.me.id, leader=self.leader, term=self.term))
+            out.append(record(RecordName.LEADER_CHANGE, node=self.me.id, leader=self.leader, term=self.term))
             if successor:
                 self.vote_term, self.voted_for = self.term, self.me.id
-                out.append(record("leader_term", node=self.me.id, term=self.term))
+                out.append(record(RecordName.LEADER_TERM, node=self.me.id, term=self.term))
         out += self.on_member_dead(pid, info.stage, now)
         return out + (self.become_leader(now) if successor else [])
 
@@ -473,7 +473,7 @@ class MembershipMixin(CoreState):
                 return []  # an activation for a stage we left (we were sent to join again)
             self.active = True
             self.iteration = self.version
-            return [record("activated", node=self.me.id, stage=self.me.stage, version=self.version)]
+            return [record(RecordName.ACTIVATED, node=self.me.id, stage=self.me.stage, version=self.version)]
         if self.keeps(p):
             self._dir_set(p)
         return self._peer_up(p, now)
@@ -484,7 +484,7 @@ class MembershipMixin(CoreState):
         return []
 
     def leave(self, now: float) -> list[Effect]:
-        out: list[Effect] = [record("leave", node=self.me.id)]
+        out: list[Effect] = [record(RecordName.LEAVE, node=self.me.id)]
         if self.leader and self.leader != self.me.id:
             out.append(self.send(self.leader, LeaveNotice()))
         elif self.is_leader:
@@ -517,14 +517,14 @@ class MembershipMixin(CoreState):
     def on_join_timer(self, _: object, now: float) -> list[Effect]:
         if self.active or self.me.stage >= 0 or not self.alive:
             return []
-        return [record("join_retry", node=self.me.id, tries=self.join_tries)] + self.send_join(now)
+        return [record(RecordName.JOIN_RETRY, node=self.me.id, tries=self.join_tries)] + self.send_join(now)
 
     def rejoin(self, reason: str, now: float) -> list[Effect]:
         """A joiner that lost its leader, or was evicted before it served, starts over."""
         self.me = replace(self.me, stage=-1)
         self.state_source = ""
         self.leader = ""
-        return [record("rejoin", node=self.me.id, reason=reason)] + self.send_join(now)
+        return [record(RecordName.REJOIN, node=self.me.id, reason=reason)] + self.send_join(now)
 
     def _joiner_tick(self, now: float) -> list[Effect]:
         """Heartbeat timer of a node that is not (yet) a member: a pending joiner keeps the
@@ -605,7 +605,7 @@ class MembershipMixin(CoreState):
         self.iteration = msg.iteration
         self.state_tries = 0
         self.restore_version = msg.checkpoint_iteration
-        out: list[Effect] = [record("join_stage", node=self.me.id, stage=stage, utilisation=util[stage])]
+        out: list[Effect] = [record(RecordName.JOIN_STAGE, node=self.me.id, stage=stage, utilisation=util[stage])]
         if factory is not None:
             out += list(self.router.on_start(now))
         for pid in sorted(self.directory):
@@ -653,7 +653,7 @@ class MembershipMixin(CoreState):
         if self.active or self.me.stage < 0 or src in ("", "checkpoint"):
             return []
         self._state_failed(src)
-        return [record("state_timeout", node=self.me.id, source=src)] + \
+        return [record(RecordName.STATE_TIMEOUT, node=self.me.id, source=src)] + \
             self.fetch_state(self.restore_point(), now)
 
     def _state_failed(self, src: NodeId) -> None:
@@ -703,7 +703,7 @@ class MembershipMixin(CoreState):
             return self.fetch_state(self.restore_point(), now)
         out: list[Effect] = []
         if msg.key[:1] == ("ckpt",):
-            out.append(record("checkpoint_fetched", node=self.me.id, stage=msg.stage, version=msg.version,
+            out.append(record(RecordName.CHECKPOINT_FETCHED, node=self.me.id, stage=msg.stage, version=msg.version,
                               source=sender))
         job = self.job(ComputeKind.IMPORT_STATE, msg.version)
         return out + [Compute(job, ComputeKind.IMPORT_STATE, self.me.stage, None, 0.0, (msg.key,), (),

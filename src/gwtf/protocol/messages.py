@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, get_args
 
 from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer, fast_init, message
-from gwtf.protocol.kinds import ComputeKind
+from gwtf.protocol.kinds import ComputeKind, RecordName
 
 MbId = tuple[str, int, int]
 """A microbatch: (origin data holder, iteration, index within that holder's iteration)."""
@@ -59,7 +59,7 @@ class Compute:
 class Record:
     """A fact for metrics and invariant checks (the sim collects it; the runtime logs JSONL)."""
 
-    event: str
+    event: RecordName
     fields: tuple[tuple[str, Any], ...] = ()
 
 
@@ -71,7 +71,7 @@ class FreeIteration:
     iteration: int
 
 
-def record(event: str, **fields: Any) -> Record:
+def record(event: RecordName, **fields: Any) -> Record:
     return Record(event, tuple(fields.items()))
 
 

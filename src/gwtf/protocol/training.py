@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from gwtf.protocol.base import NodeId, log
-from gwtf.protocol.kinds import ComputeKind
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import CoreState, Effect, GradOut, Leg, Origin
 from gwtf.protocol.messages import (
     NONE,
@@ -66,7 +66,7 @@ class TrainingMixin(CoreState):
             inflight += 1
             o = Origin(mb=mb, out_key=self.mb_key("act", mb, mb[2]), started_at=now)
             self.origins[mb] = o
-            out.append(record("mb_start", mb=mb, node=self.me.id))
+            out.append(record(RecordName.MB_START, mb=mb, node=self.me.id))
             flops = EMBED * self.train.stage_flops[0]
             out.append(Compute(self.job(ComputeKind.EMBED, mb), ComputeKind.EMBED, 0, mb, flops, (),
                                (o.out_key,)))
@@ -138,7 +138,7 @@ class TrainingMixin(CoreState):
         rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
         if rec is None or rec.phase not in ("out", "got") or rec.next != peer:
             return []
-        out: list[Effect] = [self.cancel(("ackf", ref)), record("reroute", node=self.me.id, mb=rec.mb,
+        out: list[Effect] = [self.cancel(("ackf", ref)), record(RecordName.REROUTE, node=self.me.id, mb=rec.mb,
                                                                   dead=peer)]
         if isinstance(rec, Leg) and self.me.stage == self.S - 1 and rec.until == NONE:
             if peer not in self.directory:
@@ -185,7 +185,7 @@ class TrainingMixin(CoreState):
         out: list[Effect] = [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1]))]
         o = self.origins.get(msg.mb)
         if o is None or o.phase not in ("out", "got", "passed", "parked"):
-            return out + [record("dup_return", node=self.me.id, mb=msg.mb)]
+            return out + [record(RecordName.DUP_RETURN, node=self.me.id, mb=msg.mb)]
         out.append(self.cancel(("ackf", o.mb)))
         self.release(o.next)
         o.phase = "loss"
@@ -270,7 +270,7 @@ class TrainingMixin(CoreState):
         elif leg.next:
             self.release(leg.next)
         leg.phase = "done"
-        return final + [record("grad_passed_on", node=self.me.id, mb=msg.mb)] + \
+        return final + [record(RecordName.GRAD_PASSED_ON, node=self.me.id, mb=msg.mb)] + \
             self._send_grad(msg.mb, msg.path, msg.legs, pos, cached[0], now)
 
     # ---- compute completions ------------------------------------------------------------
@@ -316,7 +316,7 @@ class TrainingMixin(CoreState):
 
     def _contribute(self, mb: MbId, n: int, now: float) -> list[Effect]:
         self.contributed[mb] = n
-        out: list[Effect] = [record("contribute", node=self.me.id, stage=self.me.stage, mb=mb)]
+        out: list[Effect] = [record(RecordName.CONTRIBUTE, node=self.me.id, stage=self.me.stage, mb=mb)]
         return out + self.after_contribution(now)
 
     def _after_backward(self, leg: Leg, path: tuple[NodeId, ...], legs: tuple[int, ...], gkey: TensorKey,
@@ -377,11 +377,11 @@ class TrainingMixin(CoreState):
     def _redo_walk(self, g: GradOut, start: int, now: float) -> list[Effect]:
         if start < 1:
             del self.gouts[g.mb]
-            return [record("abandoned", node=self.me.id, mb=g.mb, reason="origin_lost")]
+            return [record(RecordName.ABANDONED, node=self.me.id, mb=g.mb, reason="origin_lost")]
         g.redo_start = start
         to = g.path[start - 1]
         msg = Redo(mb=g.mb, path=g.path, legs=g.legs, start=start, until=g.pos, holder=self.me.id)
-        return [record("redo", node=self.me.id, mb=g.mb, start=start, until=g.pos, mode="inflight"),
+        return [record(RecordName.REDO, node=self.me.id, mb=g.mb, start=start, until=g.pos, mode="inflight"),
                 self.send(to, msg), self.timer(("redo", g.mb), self.ack_deadline_s(to, 0), now)]
 
     def on_redoack(self, sender: NodeId, msg: RedoAck, now: float) -> list[Effect]:
@@ -456,7 +456,7 @@ class TrainingMixin(CoreState):
         if rec is None or rec.phase != "gradwait":
             return []
         rec.phase = "done"
-        return [record("chain_failed", node=self.me.id, mb=rec.mb)]
+        return [record(RecordName.CHAIN_FAILED, node=self.me.id, mb=rec.mb)]
 
     def on_mb_deadline(self, mb: MbId, now: float) -> list[Effect]:
         """DH safety net: restart a lost forward; give up waiting for a lost backward."""
@@ -477,8 +477,8 @@ class TrainingMixin(CoreState):
                 # gradient twice), else run the whole pipeline.
                 o.until, o.holder = (self.S, self.me.id) if mb in self.grad_cache else (NONE, "")
             out.append(self.cancel(("ackf", mb)))
-            return out + [record("mb_restart", node=self.me.id, mb=mb)] + self._resend(o, now)
+            return out + [record(RecordName.MB_RESTART, node=self.me.id, mb=mb)] + self._resend(o, now)
         if o.phase in ("loss", "backward", "gradwait", "embed_bwd"):
             o.incomplete = True
-            return out + [record("mb_incomplete", node=self.me.id, mb=mb)] + self._dh_progress(now)
+            return out + [record(RecordName.MB_INCOMPLETE, node=self.me.id, mb=mb)] + self._dh_progress(now)
         return out

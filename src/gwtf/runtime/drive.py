@@ -56,7 +56,7 @@ from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
-from gwtf.protocol.kinds import ComputeKind
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.runtime import checkpoints, statefile
@@ -66,10 +66,10 @@ if TYPE_CHECKING:
     from gwtf.runtime.node import NodeIdentity
 
 # Records the node process reacts to (each one a record the core emits)
-DONE_EVENTS = frozenset({"training_done", "self_stop"})  # this node's training is over
-CRASH_EVENTS = frozenset({"evict", "leader_lost"})  # counted in status.json's crashes_seen
-JOIN_EVENTS = frozenset({"join_stage"})  # this node was given a stage: joins_seen
-ACTIVE_EVENTS = frozenset({"activated"})  # a joiner holds its stage's state: state "active"
+DONE_EVENTS = frozenset({RecordName.TRAINING_DONE, RecordName.SELF_STOP})  # this node's training is over
+CRASH_EVENTS = frozenset({RecordName.EVICT, RecordName.LEADER_LOST})  # counted in status.json's crashes_seen
+JOIN_EVENTS = frozenset({RecordName.JOIN_STAGE})  # this node was given a stage: joins_seen
+ACTIVE_EVENTS = frozenset({RecordName.ACTIVATED})  # a joiner holds its stage's state: state "active"
 
 
 def init_torch_thread(threads: int) -> None:
@@ -78,7 +78,7 @@ def init_torch_thread(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def record_of(eff: Record) -> tuple[str, dict[str, Any]]:
+def record_of(eff: Record) -> tuple[RecordName, dict[str, Any]]:
     return eff.event, dict(eff.fields)
 
 
@@ -103,7 +103,7 @@ def fault_point(eff: Compute) -> tuple[str, int | None, int | None, int]:
 class ComputeResult:
     """What a finished job reports back: records to log (e.g. the loss)."""
 
-    records: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    records: list[tuple[RecordName, dict[str, Any]]] = field(default_factory=list)
 
 
 class Host:
@@ -300,14 +300,14 @@ class Host:
             case ComputeKind.EMBED:
                 assert eff.mb is not None
                 tokens = w.embed(eff.mb, eff.mb[1], eff.mb[2], outs[0])
-                out.records.append(("tokens", {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
+                out.records.append((RecordName.TOKENS, {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
             case ComputeKind.FORWARD:
                 w.forward(outs[0], ins[0], outs[0])
             case ComputeKind.LOSS:
                 assert eff.mb is not None
                 loss = w.loss(eff.mb, ins[0], outs[0])
                 tokens = self.cfg.model.microbatch_size * self.cfg.model.seq_len
-                out.records.append(("loss", {"iteration": eff.mb[1], "index": eff.mb[2], "loss": loss,
+                out.records.append((RecordName.LOSS, {"iteration": eff.mb[1], "index": eff.mb[2], "loss": loss,
                                              "tokens": tokens}))
             case ComputeKind.BACKWARD:
                 w.backward(ins[1], ins[2], outs[0])
@@ -323,18 +323,18 @@ class Host:
                 w.store[outs[0]] = w.reduce([w.store[k] for k in ins], eff.count)
                 self.grad_counts[outs[0]] = eff.count
             case ComputeKind.STEP:
-                out.records.append(("stepped", self._step(w, eff)))
+                out.records.append((RecordName.STEPPED, self._step(w, eff)))
             case ComputeKind.EXPORT_STATE:  # one buffer, on the CPU: the transport streams it in chunks
                 blob = statefile.export_state(w)  # only ever sent: its wire form is the buffer itself
                 with self._lock:
                     self._wire[outs[0]] = blob
-                out.records.append(("state_exported", {"stage": w.stage, "version": outs[0][2],
+                out.records.append((RecordName.STATE_EXPORTED, {"stage": w.stage, "version": outs[0][2],
                                                        "hash": w.weights_hash()}))
             case ComputeKind.IMPORT_STATE:
                 out.records.append(self._import_state(w, ins[0]))
             case ComputeKind.LOAD_CHECKPOINT:
                 self._load_checkpoint(w, outs[0])
-                out.records.append(("state_loaded", {"stage": w.stage, "version": outs[0][2],
+                out.records.append((RecordName.STATE_LOADED, {"stage": w.stage, "version": outs[0][2],
                                                      "hash": w.weights_hash()}))
             case ComputeKind.EXPORT_CHECKPOINT | ComputeKind.STORE_CHECKPOINT | ComputeKind.READ_CHECKPOINT:
                 out.records.append(self._checkpoint_copy(w, eff))
@@ -342,7 +342,7 @@ class Host:
                 assert_never(kind)  # raises on a kind this driver does not know
         return out
 
-    def _import_state(self, w: StageWorker, key: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+    def _import_state(self, w: StageWorker, key: Sequence[Any]) -> tuple[RecordName, dict[str, Any]]:
         """Install fetched state: a replica's live state ("state" key), or a data holder's copy
         of a checkpoint ("ckpt" key), which is also kept on this host's disk, so the Rollback
         that follows the restore of a lost stage reloads it here (several hosts)."""
@@ -352,10 +352,10 @@ class Host:
             checkpoints.keep_version(self.ckpt_dir, w.stage, int(key[2]), memoryview(arr))
         else:
             statefile.import_state(w, arr)
-        return "state_imported", {"stage": w.stage, "version": key[2], "hash": w.weights_hash(),
+        return RecordName.STATE_IMPORTED, {"stage": w.stage, "version": key[2], "hash": w.weights_hash(),
                                   "source": key[3], "checkpoint": key[0] == "ckpt"}
 
-    def _checkpoint_copy(self, w: StageWorker, eff: Compute) -> tuple[str, dict[str, Any]]:
+    def _checkpoint_copy(self, w: StageWorker, eff: Compute) -> tuple[RecordName, dict[str, Any]]:
         """The data holders' copies of the relay stages' checkpoints (docs/runtime.md):
         export_checkpoint (a replica: the blob it just wrote, under the "ckpt" key, for the
         sends that follow), store_checkpoint (a data holder: a received one to its disk),
@@ -369,7 +369,7 @@ class Host:
                 self._wire.pop(key, None)
             fields.update(source=key[3], written=checkpoints.keep_version(self.ckpt_dir, stage, version,
                                                                          memoryview(arr)))
-            return "checkpoint_stored", fields
+            return RecordName.CHECKPOINT_STORED, fields
         if eff.kind == ComputeKind.EXPORT_CHECKPOINT:
             last = self._last_blob
             blob = last[2] if last is not None and last[:2] == (stage, version) else w.state_blob()
@@ -379,7 +379,7 @@ class Host:
         with self._lock:
             self._wire[key] = blob  # only ever sent: its wire form is the buffer itself
         exported = eff.kind == ComputeKind.EXPORT_CHECKPOINT
-        return ("checkpoint_exported" if exported else "checkpoint_served"), fields
+        return (RecordName.CHECKPOINT_EXPORTED if exported else RecordName.CHECKPOINT_SERVED), fields
 
     def compute_done(self, eff: Compute, result: ComputeResult, now: float) -> list[Any]:
         return list(self.core.on_compute_done(eff.job_id, now))

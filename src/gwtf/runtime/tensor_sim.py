@@ -41,7 +41,7 @@ from gwtf.model.presets import model_spec
 from gwtf.model.stage import build_stage
 from gwtf.model.trainer import StageOptimizer, train_iteration
 from gwtf.protocol.base import Message
-from gwtf.protocol.kinds import ComputeKind
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute, Effect, FreeIteration
 from gwtf.protocol.router import PeerInfo
@@ -199,9 +199,9 @@ class TensorSimulator(Simulator):
                 raise RuntimeError(f"t={self.engine.now:.3f} node {node}: compute {job.kind} "
                                    f"stage={job.stage} mb={job.mb} failed: {exc!r}") from exc
             for event, f in res.records:
-                if event == "stepped":
+                if event == RecordName.STEPPED:
                     self.result.step_hashes.setdefault((f["stage"], f["iteration"]), {})[node] = f["hash"]
-                elif event == "loss":
+                elif event == RecordName.LOSS:
                     self.result.losses.setdefault(f["iteration"], []).append(f["loss"])
         super()._compute_done(node, job, dur_s)
 
@@ -236,7 +236,7 @@ def run_with_tensors(sc: ScenarioConfig, seed: int, cfg: Config, dataset: TokenD
 
 # ---- crash schedules, the reference, comparison ------------------------------------------
 
-RECORD_POINTS = ("contribute", "iter_seen", "step", "redo", "reroute")
+RECORD_POINTS = (RecordName.CONTRIBUTE, RecordName.ITER_SEEN, RecordName.STEP, RecordName.REDO, RecordName.REROUTE)
 COMPUTE_POINTS = (ComputeKind.FORWARD, ComputeKind.BACKWARD, ComputeKind.EXPORT_GRAD, ComputeKind.STEP)
 
 

@@ -26,7 +26,7 @@ from gwtf.errors import UserError
 from gwtf.flow.instance import Instance
 from gwtf.protocol.base import CancelTimer, Log, Message, Send, SetTimer
 from gwtf.protocol.core import NodeCore, make_router
-from gwtf.protocol.kinds import DISK_KINDS, ComputeKind
+from gwtf.protocol.kinds import DISK_KINDS, ComputeKind, RecordName
 from gwtf.protocol.ledger import Policy, TrainParams
 from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
@@ -241,15 +241,15 @@ class Simulator:
         f = dict(rec.fields)
         self.checker.on_record(now, node, rec.event, f)
         self.metrics.on_record(now, node, rec.event, f)
-        if rec.event == "iteration_done":
+        if rec.event == RecordName.ITERATION_DONE:
             self._iterations_done += 1
             if self.on_iteration is not None:
                 self.on_iteration(self._iterations_done, now)
-        elif rec.event == "training_done":
+        elif rec.event == RecordName.TRAINING_DONE:
             self.finished = True
-        elif rec.event == "stage_lost":
+        elif rec.event == RecordName.STAGE_LOST:
             self.stage_lost = True
-        elif rec.event == "rollback":
+        elif rec.event == RecordName.ROLLBACK:
             self.stage_lost = False
         for fault, seen in self.triggers:
             if fault.after_event == rec.event and (not fault.node or fault.node == node):
