@@ -41,8 +41,9 @@ from gwtf.model.presets import model_spec
 from gwtf.model.stage import build_stage
 from gwtf.model.trainer import StageOptimizer, train_iteration
 from gwtf.protocol.base import Message
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import TrainParams
-from gwtf.protocol.messages import Compute, FreeIteration
+from gwtf.protocol.messages import Compute, Effect, FreeIteration
 from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.systems import get_system
 from gwtf.runtime.drive import Host
@@ -174,12 +175,12 @@ class TensorSimulator(Simulator):
 
     # ---- effects and compute ------------------------------------------------------------
 
-    def _apply(self, node: str, effects: list[Any]) -> None:
+    def _apply(self, node: str, effects: list[Effect]) -> None:
         host = self.hosts.get(node)
         crash = False
         for e in effects:
             if host is not None and type(e) is FreeIteration:
-                host.other_effect(e, self.engine.now)
+                host.free_iteration(e)
             elif type(e) is Compute and (node, e.kind) in self.compute_faults:
                 seen = self.compute_seen.get((node, e.kind), 0) + 1
                 self.compute_seen[(node, e.kind)] = seen
@@ -199,9 +200,9 @@ class TensorSimulator(Simulator):
                 raise RuntimeError(f"t={self.engine.now:.3f} node {node}: compute {job.kind} "
                                    f"stage={job.stage} mb={job.mb} failed: {exc!r}") from exc
             for event, f in res.records:
-                if event == "stepped":
+                if event == RecordName.STEPPED:
                     self.result.step_hashes.setdefault((f["stage"], f["iteration"]), {})[node] = f["hash"]
-                elif event == "loss":
+                elif event == RecordName.LOSS:
                     self.result.losses.setdefault(f["iteration"], []).append(f["loss"])
         super()._compute_done(node, job, dur_s)
 
@@ -236,8 +237,8 @@ def run_with_tensors(sc: ScenarioConfig, seed: int, cfg: Config, dataset: TokenD
 
 # ---- crash schedules, the reference, comparison ------------------------------------------
 
-RECORD_POINTS = ("contribute", "iter_seen", "step", "redo", "reroute")
-COMPUTE_POINTS = ("forward", "backward", "export_grad", "step")
+RECORD_POINTS = (RecordName.CONTRIBUTE, RecordName.ITER_SEEN, RecordName.STEP, RecordName.REDO, RecordName.REROUTE)
+COMPUTE_POINTS = (ComputeKind.FORWARD, ComputeKind.BACKWARD, ComputeKind.EXPORT_GRAD, ComputeKind.STEP)
 
 
 def relay_crash_schedule(rng: random.Random, by_stage: Sequence[Sequence[str]], max_time_s: float,

@@ -3,7 +3,7 @@
 A `--stage auto` joiner that built its torch stage on the event-loop thread when its first tensor
 (the state blob) arrived stalled its loop for 1.5-1.8 s, missed heartbeats and was evicted. Here a
 joiner's Host (stage known, no worker yet) receives a live replica's state the way the node
-driver hands it over: `store_tensors`, `tensors_for` and `other_effect(FreeIteration)` on the
+driver hands it over: `store_tensors`, `tensors_for` and `free_iteration(FreeIteration)` on the
 "loop" (this test's main thread, watched by a thread-local `TorchFunctionMode` that records every
 torch call made on it), and `compute` on a one-thread executor (the torch thread). The loop side
 must make no torch call at all; the state must still reach the joiner's stage intact.
@@ -115,7 +115,7 @@ def test_joiner_takes_state_with_no_torch_call_on_the_loop(cfg: Config, tmp_path
     queued: list[Any] = []
     with TorchCalls() as loop:
         sent = host.tensors_for(StateTransfer(stage=1, version=7, key=out_key))
-        host.other_effect(FreeIteration(7), 0.0, submit=lambda fn, *a: queued.append(torch_thread.submit(fn, *a)))
+        host.free_iteration(FreeIteration(7), submit=lambda fn, *a: queued.append(torch_thread.submit(fn, *a)))
         assert host.tensors_for(StateTransfer(stage=1, version=7, key=out_key)) == []
     assert loop.calls == [], f"torch called on the event loop: {loop.calls[:12]}"
     assert len(sent) == 1 and sent[0].tobytes() == replica.state_blob().tobytes()
@@ -159,7 +159,7 @@ def test_a_tensor_that_arrives_after_a_free_iteration_was_emitted_survives_it(
     queued: list[Any] = []
     gate = threading.Event()
     torch_thread.submit(gate.wait, 10.0)  # the torch thread is busy with an earlier job
-    host.other_effect(FreeIteration(0), 0.0, submit=lambda fn, *a: queued.append(torch_thread.submit(fn, *a)))
+    host.free_iteration(FreeIteration(0), submit=lambda fn, *a: queued.append(torch_thread.submit(fn, *a)))
     host.store_tensors(Forward(mb=("d0", 0, 1), flow_id=0, path=("d0",), legs=(0,), key=new, size_bytes=16), [arr])
     gate.set()
     for fut in queued:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gwtf.protocol.base import IdentityMemo, NodeId, log
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import NONE, CoreState, Effect
 from gwtf.protocol.messages import (
     Collect,
@@ -178,7 +179,7 @@ class AggregationMixin(CoreState):
             self.have_round = NONE
         self.iteration = msg.iteration
         self.reported = False
-        out: list[Effect] = [record("iter_seen", node=self.me.id, iteration=msg.iteration)]
+        out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.me.id, iteration=msg.iteration)]
         if self.me.stage == 0:
             out += self.dh_start_iteration(now)  # type: ignore[attr-defined]
         pending, self.pending_fwd = self.pending_fwd, []
@@ -231,9 +232,10 @@ class AggregationMixin(CoreState):
         if msg.iteration != self.iteration:
             return []
         self.contributed.clear()
-        job = self.job("reset_grad", None)
-        return [record("reset", node=self.me.id, stage=self.me.stage, iteration=msg.iteration),
-                Compute(job, "reset_grad", self.me.stage, None, 0.0), self.send(sender, self._report())]
+        job = self.job(ComputeKind.RESET_GRAD, None)
+        return [record(RecordName.RESET, node=self.me.id, stage=self.me.stage, iteration=msg.iteration),
+                Compute(job, ComputeKind.RESET_GRAD, self.me.stage, None, 0.0),
+                self.send(sender, self._report())]
 
     def on_commit(self, sender: NodeId, msg: Commit, now: float) -> list[Effect]:
         """Gather-reduce-broadcast: contributors send their gradient to the stage's reducer (the
@@ -258,8 +260,8 @@ class AggregationMixin(CoreState):
         out: list[Effect] = []
         if self.me.id in d.positive_set:
             key = ("pgrad", self.me.stage, msg.iteration, self.me.id, msg.round)
-            out.append(Compute(self.job("export_grad", (msg.round, key)), "export_grad", self.me.stage,
-                               None, 0.0, (), (key,)))
+            out.append(Compute(self.job(ComputeKind.EXPORT_GRAD, (msg.round, key)), ComputeKind.EXPORT_GRAD,
+                               self.me.stage, None, 0.0, (), (key,)))
         else:
             out += self._maybe_reduce(now) + self._maybe_have(now)
         return out
@@ -301,9 +303,10 @@ class AggregationMixin(CoreState):
             return []
         keys = tuple(("pgrad", self.me.stage, c.iteration, n, c.round) for n in d.positive)
         total = d.total
-        job = self.job("reduce", c.round)
+        job = self.job(ComputeKind.REDUCE, c.round)
         self.have_round = NONE
-        return [Compute(job, "reduce", self.me.stage, None, 0.0, keys, (self._rkey(c),), count=total)]
+        return [Compute(job, ComputeKind.REDUCE, self.me.stage, None, 0.0, keys, (self._rkey(c),),
+                        count=total)]
 
     def _reduced(self, rnd: int, now: float) -> list[Effect]:
         c = self.commit
@@ -342,8 +345,8 @@ class AggregationMixin(CoreState):
         self.version = msg.iteration + 1  # later computes run after this step (FIFO per node)
         self._clear_iteration()
         contributors = digest(c).positive
-        job = self.job("step", (msg.iteration, c.round, contributors))
-        return [Compute(job, "step", self.me.stage, None, 0.0, (self._rkey(c),), ()),
+        job = self.job(ComputeKind.STEP, (msg.iteration, c.round, contributors))
+        return [Compute(job, ComputeKind.STEP, self.me.stage, None, 0.0, (self._rkey(c),), ()),
                 *self._replicate_checkpoint(c, self.version), FreeIteration(msg.iteration - 1)]
 
     def _replicate_checkpoint(self, c: Commit, version: int) -> list[Effect]:
@@ -364,18 +367,18 @@ class AggregationMixin(CoreState):
             return []
         key = ("ckpt", self.me.stage, version, self.me.id)
         size = self.train.stage_state_bytes[self.me.stage]
-        job = self.job("export_checkpoint", (targets, key, version))
-        return [Compute(job, "export_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+        job = self.job(ComputeKind.EXPORT_CHECKPOINT, (targets, key, version))
+        return [Compute(job, ComputeKind.EXPORT_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
 
-    def aggregation_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
-        if kind == "export_grad":
+    def aggregation_compute_done(self, kind: ComputeKind, ref: Any, now: float) -> list[Effect]:
+        if kind == ComputeKind.EXPORT_GRAD:
             rnd, key = ref
             return self._share_grads(rnd, key, now)
-        if kind == "reduce":
+        if kind == ComputeKind.REDUCE:
             return self._reduced(ref, now)
-        if kind == "step":
+        if kind == ComputeKind.STEP:
             it, rnd, contributors = ref
-            return [record("step", node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,
+            return [record(RecordName.STEP, node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,
                            version=it + 1, contributors=contributors), FreeIteration(it)]
         return []
 
@@ -393,12 +396,13 @@ class AggregationMixin(CoreState):
         if not self.active:
             return []
         if held:
-            return [record("rollback_node", node=self.me.id, version=msg.version, held=True), FreeIteration(10**9)]
-        job = self.job("load_checkpoint", msg.version)
+            return [record(RecordName.ROLLBACK_NODE, node=self.me.id, version=msg.version, held=True), FreeIteration(10**9)]
+        job = self.job(ComputeKind.LOAD_CHECKPOINT, msg.version)
         size = self.train.stage_state_bytes[self.me.stage]
         key = ("state", self.me.stage, msg.version, "checkpoint")
-        return [record("rollback_node", node=self.me.id, version=msg.version),
-                FreeIteration(10**9), Compute(job, "load_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+        return [record(RecordName.ROLLBACK_NODE, node=self.me.id, version=msg.version),
+                FreeIteration(10**9),
+                Compute(job, ComputeKind.LOAD_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
 
     def mb_of(self, c: Contrib) -> MbId:
         return (c[0], self.iteration, c[1])

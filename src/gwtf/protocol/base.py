@@ -2,8 +2,9 @@
 
 Owns: `NodeId`, the `Message` base class and its registry (the wire codec maps every registered
 message type to msgpack and back), and the driver-agnostic effects (`Send`, `SetTimer`,
-`CancelTimer`, `Log`). Protocol parts (flow routing, training, membership) define their own
-message and effect classes in their own modules with the `@message` decorator.
+`CancelTimer`, `Log`; `RouterEffect`: the ones a router returns). Protocol parts (flow routing,
+training, membership) define their own message and effect classes in their own modules with the
+`@message` decorator; `messages.Effect` is the closed union of every effect.
 
 Rules for message classes (so the codec can carry them without pickle):
 - frozen, slotted dataclasses; field types limited to int, float, str, bool, None, bytes, and
@@ -22,7 +23,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 NodeId = str
 """A node's id: unique in the swarm, stable for the node's life (a rejoin gets a new id)."""
@@ -167,6 +168,10 @@ class Log:
     level: str  # "debug" | "info" | "warning" | "error"
     event: str
     fields: tuple[tuple[str, Any], ...] = ()
+
+
+RouterEffect: TypeAlias = Send | SetTimer | CancelTimer
+"""What a router returns (a subset of `messages.Effect`): its own messages and timers."""
 
 
 def log(level: str, event: str, **fields: Any) -> Log:

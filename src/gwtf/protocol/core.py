@@ -27,6 +27,7 @@ from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
 from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.leader import LeaderMixin
 from gwtf.protocol.ledger import CoreState, Effect, Policy, TrainParams
 from gwtf.protocol.membership import MembershipMixin
@@ -180,7 +181,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         out = self.membership_start(now, known_peers)
         out += list(self.router.on_start(now))
         if self.me.stage == 0 and self.leader == self.me.id:
-            out.append(m.record("leader_term", node=self.me.id, term=self.term))
+            out.append(m.record(RecordName.LEADER_TERM, node=self.me.id, term=self.term))
             out += self.leader_init(now, recovering=False)
         return self._drain(out, now)
 
@@ -215,14 +216,14 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         if entry is None or not self.alive:
             return []
         kind, ref = entry
-        out: list[Effect] = [record("compute_failed", node=self.me.id, kind=kind, reason=reason[:200])]
-        if kind in ("export_state", "read_checkpoint"):
+        out: list[Effect] = [record(RecordName.COMPUTE_FAILED, node=self.me.id, kind=kind, reason=reason[:200])]
+        if kind in (ComputeKind.EXPORT_STATE, ComputeKind.READ_CHECKPOINT):
             to, key, _version = ref
             return self._drain(out + [self.send(to, m.StateTransfer(stage=key[1], version=-1, key=(),
                                                                      ok=False))], now)
-        if kind in ("export_checkpoint", "store_checkpoint"):
+        if kind in (ComputeKind.EXPORT_CHECKPOINT, ComputeKind.STORE_CHECKPOINT):
             return out  # a data holder's copy of a checkpoint is missing; training goes on
-        if kind in ("import_state", "load_checkpoint") and not self.active:
+        if kind in (ComputeKind.IMPORT_STATE, ComputeKind.LOAD_CHECKPOINT) and not self.active:
             return self._drain(out + self.state_failed(kind, now), now)
         return self._drain(out + self.leave(now) + self.stop("compute_failed", now), now)
 
@@ -302,7 +303,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         except KeyError:
             rule = self._senders[mcls] = self._sender_rule(mcls)
         if not self.authorized(sender, rule):
-            return out + [record("unauthorized", node=self.me.id, sender=sender, type=msg.TYPE,
+            return out + [record(RecordName.UNAUTHORIZED, node=self.me.id, sender=sender, type=msg.TYPE,
                                  allowed=str(rule))]
         fence = self._fences.get(mcls)
         if fence is None:

@@ -18,6 +18,7 @@ from enum import StrEnum
 
 from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId, log
+from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import NONE, CoreState, Effect
 from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, from_tuple, to_tuple
 from gwtf.protocol.messages import (
@@ -105,7 +106,7 @@ class LeaderMixin(CoreState):
         return self.start_iteration(self.lead.t, now)
 
     def become_leader(self, now: float) -> list[Effect]:
-        return [record("leader_takeover", node=self.me.id, iteration=self.iteration)] + \
+        return [record(RecordName.LEADER_TAKEOVER, node=self.me.id, iteration=self.iteration)] + \
             self.leader_init(now, recovering=True)
 
     def _broadcast(self, msg: Message, include_self: bool = False) -> list[Effect]:
@@ -122,11 +123,11 @@ class LeaderMixin(CoreState):
     def start_iteration(self, t: int, now: float) -> list[Effect]:
         if self.train.iterations and t >= self.train.iterations:
             self.lead.phase = Phase.FINISHED
-            return [record("training_done", iterations=t)]
+            return [record(RecordName.TRAINING_DONE, iterations=t)]
         self.lead.t = t
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
         self.lead.haves, self.lead.commit_set = set(), set()
-        out: list[Effect] = [record("iter_start", iteration=t, members=len(self.directory))]
+        out: list[Effect] = [record(RecordName.ITER_START, iteration=t, members=len(self.directory))]
         held: list[NodeId] = []
         for j in sorted(self.lead.waiting):
             out.append(self.send(j, Refetch(term=self.term, iteration=t, stage=NONE)))
@@ -146,7 +147,7 @@ class LeaderMixin(CoreState):
             self.lead.phase = Phase.ADMIT
             self.lead.admitting = set(held)
             self.lead.admit_until_s = now + wait_s
-            return out + [record("admit_hold", iteration=t, joiners=tuple(held), wait_s=round(wait_s, 3))]
+            return out + [record(RecordName.ADMIT_HOLD, iteration=t, joiners=tuple(held), wait_s=round(wait_s, 3))]
         return out + self._begin(t, now)
 
     def _begin(self, t: int, now: float) -> list[Effect]:
@@ -166,7 +167,7 @@ class LeaderMixin(CoreState):
             self.lead.lost_from = self.lead.t
             self.lead.stalled_log_s = now
             empty = [k for k, m in enumerate(self._stage_members()) if not m]
-            out: list[Effect] = [record("stage_lost", stages=tuple(empty), iteration=self.lead.t),
+            out: list[Effect] = [record(RecordName.STAGE_LOST, stages=tuple(empty), iteration=self.lead.t),
                                  log("warning", "stalled", reason=f"stage {empty[0]} has no node")]
             out += self._reassign_joiners(empty)
             # joiners that were ready but waiting for the next iteration are members now (a
@@ -197,7 +198,7 @@ class LeaderMixin(CoreState):
             j = spare.pop(0)
             self.lead.waiting.discard(j)
             self.lead.reassigned[j] = stage  # its Ready for another stage, if in flight, is void
-            out += [record("joiner_reassigned", node=j, stage=stage),
+            out += [record(RecordName.JOINER_REASSIGNED, node=j, stage=stage),
                     self.send(j, Refetch(term=self.term, iteration=self.lead.t, stage=stage))]
         return out
 
@@ -229,7 +230,7 @@ class LeaderMixin(CoreState):
             # the old leader died after the last step (e.g. it exited when training was done):
             # nothing is left to run; an IterStart here trained one iteration past the end
             self.lead.phase = Phase.FINISHED
-            return out + [record("training_done", iterations=top)]
+            return out + [record(RecordName.TRAINING_DONE, iterations=top)]
         self.lead.phase = Phase.RUN
         out += self._broadcast(IterStart(term=self.term, iteration=top, leader=self.me.id), include_self=True)
         for pid, r in sorted(reports.items()):
@@ -243,7 +244,7 @@ class LeaderMixin(CoreState):
             if len(self.lead.expected) < len(dhs) or not dhs <= self.lead.expected.keys():
                 return []
             self.lead.phase = Phase.COLLECT
-            out: list[Effect] = [record("collect", iteration=self.lead.t)]
+            out: list[Effect] = [record(RecordName.COLLECT, iteration=self.lead.t)]
             out += [self.send(p, Collect(term=self.term, iteration=self.lead.t, leader=self.me.id))
                     for p in sorted(self.directory) if p not in dhs]
             return out + self._check(now)
@@ -264,14 +265,14 @@ class LeaderMixin(CoreState):
             self.lead.reports.pop(victim, None)
             out.append(self.send(victim, Reset(term=self.term, iteration=self.lead.t)))
         if plan.resets:
-            return out + [record("agg_reset", iteration=self.lead.t, nodes=plan.resets)]
+            return out + [record(RecordName.AGG_RESET, iteration=self.lead.t, nodes=plan.resets)]
         for ch in plan.chains:
             deadline = self.lead.pending.get(ch.mb)
             if deadline is not None and deadline > now:
                 continue
             self.lead.pending[ch.mb] = now + CHAIN_DEADLINE_FACTOR * self.ack_deadline_s(ch.start_node, 0)
             mb = (ch.mb[0], self.lead.t, ch.mb[1])
-            out.append(record("redo", node=self.me.id, mb=mb, start=ch.start, until=ch.until, mode="aggregation"))
+            out.append(record(RecordName.REDO, node=self.me.id, mb=mb, start=ch.start, until=ch.until, mode="aggregation"))
             out.append(self.send(ch.start_node, Redo(mb=mb, path=ch.path, legs=(), start=ch.start, until=ch.until,
                                                      holder=ch.holder, agg=True)))
         if plan.chains:
@@ -290,7 +291,7 @@ class LeaderMixin(CoreState):
             contributors = tuple((p, len(contrib[p][1])) for p in members if contrib[p][1])
             self.lead.contributors.update(p for p, _ in contributors)
             mbs = {p: tuple(sorted(contrib[p][1])) for p, _ in contributors}
-            out.append(record("decision", iteration=self.lead.t, round=self.lead.round, stage=stage,
+            out.append(record(RecordName.DECISION, iteration=self.lead.t, round=self.lead.round, stage=stage,
                               contributions=mbs, expected=tuple(sorted(self.lead.expected.items()))))
             msg = Commit(term=self.term, iteration=self.lead.t, round=self.lead.round, contributors=contributors, replicas=tuple(members))
             self.lead.commits[stage] = msg
@@ -319,11 +320,11 @@ class LeaderMixin(CoreState):
 
     def _step(self, now: float) -> list[Effect]:
         t = self.lead.t
-        out: list[Effect] = [record("iteration_done", iteration=t, round=self.lead.round,
+        out: list[Effect] = [record(RecordName.ITERATION_DONE, iteration=t, round=self.lead.round,
                                     expected=sum(len(v) for v in self.lead.expected.values()))]
         out += [self.send(p, Step(term=self.term, iteration=t, round=self.lead.round)) for p in sorted(self.lead.commit_set)]
         if (t + 1) % self.cfg.checkpoint_every == 0:
-            out.append(record("checkpoint", version=t + 1))
+            out.append(record(RecordName.CHECKPOINT, version=t + 1))
         return out + self.start_iteration(t + 1, now)
 
     # ---- churn ------------------------------------------------------------------------
@@ -337,7 +338,7 @@ class LeaderMixin(CoreState):
         out: list[Effect] = []
         if stage == 0 and self.lead.phase in (Phase.RUN, Phase.COLLECT, Phase.COMMIT, Phase.RECOVER):
             dropped = self.lead.expected.pop(pid, None)
-            out.append(record("dh_lost", node=pid, iteration=self.lead.t,
+            out.append(record(RecordName.DH_LOST, node=pid, iteration=self.lead.t,
                               started=len(dropped) if dropped is not None else NONE))
         self.lead.pending.clear()
         if self.lead.phase in (Phase.PAUSED, Phase.FINISHED):
@@ -354,7 +355,7 @@ class LeaderMixin(CoreState):
         if self.lead.phase == Phase.COLLECT and any(d <= now for d in self.lead.pending.values()):
             return self._plan(now)
         if self.lead.phase == Phase.ADMIT and now >= self.lead.admit_until_s:
-            out: list[Effect] = [record("admit_timeout", iteration=self.lead.t, joiners=tuple(sorted(self.lead.admitting)))]
+            out: list[Effect] = [record(RecordName.ADMIT_TIMEOUT, iteration=self.lead.t, joiners=tuple(sorted(self.lead.admitting)))]
             self.lead.admitting.clear()
             return out + self._begin(self.lead.t, now)
         if self.lead.phase == Phase.PAUSED and all(self._stage_members()):
@@ -395,7 +396,7 @@ class LeaderMixin(CoreState):
             # after the step, before the checkpoint, e.g. while exporting its state to a joiner)
             self.lead.restored[info.stage] = min(self.lead.restored.get(info.stage, version), version)
         self._dir_set(info)  # type: ignore[attr-defined]
-        out: list[Effect] = [record("join", node=pid, stage=info.stage, iteration=self.lead.t)]
+        out: list[Effect] = [record(RecordName.JOIN, node=pid, stage=info.stage, iteration=self.lead.t)]
         out += self._broadcast(MemberUp(term=self.term, peer=to_tuple(info)), include_self=False)
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
@@ -413,7 +414,7 @@ class LeaderMixin(CoreState):
             held = min(self.lead.restored.values())
             ckpt = min(ckpt, held - held % self.cfg.checkpoint_every)
             self.lead.restored.clear()
-        out: list[Effect] = [record("rollback", lost_from=self.lead.lost_from, version=ckpt,
+        out: list[Effect] = [record(RecordName.ROLLBACK, lost_from=self.lead.lost_from, version=ckpt,
                                     lost_iterations=self.lead.lost_from - ckpt)]
         out += self._broadcast(Rollback(term=self.term, version=ckpt, lost_from=self.lead.lost_from), include_self=True)
         self.lead.phase = Phase.RUN

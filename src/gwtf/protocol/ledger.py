@@ -22,10 +22,10 @@ from typing import Any, Literal
 
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
+from gwtf.protocol.kinds import ComputeKind
 from gwtf.protocol.messages import NONE, MbId, TensorKey
+from gwtf.protocol.messages import Effect as Effect  # re-exported: the parts import it from here
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
-
-Effect = Any  # base Send/SetTimer/CancelTimer/Log + messages.Compute/Record/FreeIteration
 
 DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
 
@@ -142,7 +142,7 @@ class CoreState:
         self.leader: NodeId = ""  # the leader of `term`, "" while unknown
         self.term = 0  # leadership term (epoch): the initial leader leads term 0 unelected
         self._job_seq = 0
-        self.jobs: dict[int, tuple[str, Any]] = {}
+        self.jobs: dict[int, tuple[ComputeKind, Any]] = {}
         # ledger (cleared every iteration)
         self.legs: dict[int, Leg] = {}
         self._leg_seq = 0
@@ -174,7 +174,7 @@ class CoreState:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def job(self, kind: str, ref: Any) -> int:
+    def job(self, kind: ComputeKind, ref: Any) -> int:
         self._job_seq += 1
         self.jobs[self._job_seq] = (kind, ref)
         return self._job_seq

@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import NONE, CoreState, Effect, Leg, Origin
 from gwtf.protocol.messages import (
     Compute,
@@ -89,7 +90,7 @@ class MembershipMixin(CoreState):
         self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / max(self.me.compute_s, 1e-9)
         out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
         if self.me.stage < 0:
-            out.append(record("join_start", node=self.me.id))
+            out.append(record(RecordName.JOIN_START, node=self.me.id))
             return out + self.send_join(now)
         if self.cfg.view_size > 0:
             # bounded views (protocol.view): O(what this node keeps) from the shared roster
@@ -244,7 +245,7 @@ class MembershipMixin(CoreState):
         if self.voted_for != candidates[0] or self.vote_term <= self.term:
             self.vote_term = max(self.vote_term, self.term) + 1
             self.voted_for = candidates[0]
-            out.append(record("leader_lost", node=self.me.id, leader=self.leader, vote=candidates[0],
+            out.append(record(RecordName.LEADER_LOST, node=self.me.id, leader=self.leader, vote=candidates[0],
                               term=self.vote_term))
         return out + [self.send(candidates[0], LeaderVote(term=self.vote_term, old=self.leader))]
 
@@ -266,8 +267,8 @@ class MembershipMixin(CoreState):
         old = self.leader
         self._adopt_term(msg.term, self.me.id, now)
         self.vote_term, self.voted_for = msg.term, self.me.id
-        out: list[Effect] = [record("leader_change", node=self.me.id, leader=self.me.id, votes=live, term=msg.term),
-                             record("leader_term", node=self.me.id, term=msg.term)]
+        out: list[Effect] = [record(RecordName.LEADER_CHANGE, node=self.me.id, leader=self.me.id, votes=live, term=msg.term),
+                             record(RecordName.LEADER_TERM, node=self.me.id, term=msg.term)]
         out += self.become_leader(now)
         return out + self.evict(old, False, now)
 
@@ -293,7 +294,7 @@ class MembershipMixin(CoreState):
             return True, []
         if term > self.term and self.active and sender not in self.directory:
             # only a member's word raises the term: a stranger (or an evicted node) cannot depose
-            return False, [record("unauthorized", node=self.me.id, sender=sender, type="term", allowed="a member")]
+            return False, [record(RecordName.UNAUTHORIZED, node=self.me.id, sender=sender, type="term", allowed="a member")]
         if term < self.term:
             return False, [log("info", "stale_term_refused", sender=sender, term=term, current=self.term),
                            self.send(sender, TermNotice(term=self.term, leader=self.leader))]
@@ -311,7 +312,7 @@ class MembershipMixin(CoreState):
     def _follow(self, term: int, leader: NodeId, now: float) -> list[Effect]:
         was_leader = self.is_leader
         self._adopt_term(term, leader, now)
-        return [record("leader_stepdown", node=self.me.id, term=term, leader=leader)] if was_leader else []
+        return [record(RecordName.LEADER_STEPDOWN, node=self.me.id, term=term, leader=leader)] if was_leader else []
 
     def on_term_notice(self, sender: NodeId, msg: TermNotice, now: float) -> list[Effect]:
         if msg.term > self.term or (msg.term == self.term and not self.leader and msg.leader):
@@ -351,7 +352,7 @@ class MembershipMixin(CoreState):
         of them may be fetching its state from `pid`)."""
         self.last_hb.pop(pid, None)
         self.pending_stage.pop(pid, None)
-        out: list[Effect] = [record("evict", node=pid, by=self.me.id, graceful=graceful)]
+        out: list[Effect] = [record(RecordName.EVICT, node=pid, by=self.me.id, graceful=graceful)]
         msg = MemberDown(term=self.term, node=pid, graceful=graceful)
         out += [self.send(q, msg) for q in sorted(self.directory) if q not in (pid, self.me.id)]
         out += [self.send(q, msg) for q in sorted(self.pending_joiners) if q != pid and q not in self.directory]
@@ -363,7 +364,7 @@ class MembershipMixin(CoreState):
         if peer in self.suspects or peer not in self.directory or peer == self.me.id:
             return []
         self.suspects.add(peer)
-        out: list[Effect] = [record("suspect", node=self.me.id, peer=peer),
+        out: list[Effect] = [record(RecordName.SUSPECT, node=self.me.id, peer=peer),
                              self.timer(("unsuspect", peer), self.cfg.evict_after_s, now)]
         out += list(self.router.on_peer_down(peer, now))
         if self.leader:
@@ -401,7 +402,7 @@ class MembershipMixin(CoreState):
             return self.on_evicted(sender, Evicted(term=msg.term), now)
         out = self.peer_down(msg.node, now)
         if not self.active and self.me.stage >= 0 and msg.node == self.state_source:
-            out += [record("state_source_lost", node=self.me.id, source=msg.node)]
+            out += [record(RecordName.STATE_SOURCE_LOST, node=self.me.id, source=msg.node)]
             out += self.fetch_state(self.restore_point(), now)
         return out
 
@@ -414,7 +415,7 @@ class MembershipMixin(CoreState):
 
     def stop(self, reason: str, now: float) -> list[Effect]:
         self.alive = False
-        return [record("self_stop", node=self.me.id, reason=reason)]
+        return [record(RecordName.SELF_STOP, node=self.me.id, reason=reason)]
 
     def peer_down(self, pid: NodeId, now: float) -> list[Effect]:
         """`pid` is gone: drop it, recover every piece of in-flight work that waited on it."""
@@ -444,10 +445,10 @@ class MembershipMixin(CoreState):
             # (every node keeps every data holder, so all name the same successor)
             self._adopt_term(self.term + 1, self._choose_leader(), now)
             successor = self.leader == self.me.id
-            out.append(record("leader_change", node=self.me.id, leader=self.leader, term=self.term))
+            out.append(record(RecordName.LEADER_CHANGE, node=self.me.id, leader=self.leader, term=self.term))
             if successor:
                 self.vote_term, self.voted_for = self.term, self.me.id
-                out.append(record("leader_term", node=self.me.id, term=self.term))
+                out.append(record(RecordName.LEADER_TERM, node=self.me.id, term=self.term))
         out += self.on_member_dead(pid, info.stage, now)
         return out + (self.become_leader(now) if successor else [])
 
@@ -472,7 +473,7 @@ class MembershipMixin(CoreState):
                 return []  # an activation for a stage we left (we were sent to join again)
             self.active = True
             self.iteration = self.version
-            return [record("activated", node=self.me.id, stage=self.me.stage, version=self.version)]
+            return [record(RecordName.ACTIVATED, node=self.me.id, stage=self.me.stage, version=self.version)]
         if self.keeps(p):
             self._dir_set(p)
         return self._peer_up(p, now)
@@ -483,7 +484,7 @@ class MembershipMixin(CoreState):
         return []
 
     def leave(self, now: float) -> list[Effect]:
-        out: list[Effect] = [record("leave", node=self.me.id)]
+        out: list[Effect] = [record(RecordName.LEAVE, node=self.me.id)]
         if self.leader and self.leader != self.me.id:
             out.append(self.send(self.leader, LeaveNotice()))
         elif self.is_leader:
@@ -516,14 +517,14 @@ class MembershipMixin(CoreState):
     def on_join_timer(self, _: object, now: float) -> list[Effect]:
         if self.active or self.me.stage >= 0 or not self.alive:
             return []
-        return [record("join_retry", node=self.me.id, tries=self.join_tries)] + self.send_join(now)
+        return [record(RecordName.JOIN_RETRY, node=self.me.id, tries=self.join_tries)] + self.send_join(now)
 
     def rejoin(self, reason: str, now: float) -> list[Effect]:
         """A joiner that lost its leader, or was evicted before it served, starts over."""
         self.me = replace(self.me, stage=-1)
         self.state_source = ""
         self.leader = ""
-        return [record("rejoin", node=self.me.id, reason=reason)] + self.send_join(now)
+        return [record(RecordName.REJOIN, node=self.me.id, reason=reason)] + self.send_join(now)
 
     def _joiner_tick(self, now: float) -> list[Effect]:
         """Heartbeat timer of a node that is not (yet) a member: a pending joiner keeps the
@@ -604,7 +605,7 @@ class MembershipMixin(CoreState):
         self.iteration = msg.iteration
         self.state_tries = 0
         self.restore_version = msg.checkpoint_iteration
-        out: list[Effect] = [record("join_stage", node=self.me.id, stage=stage, utilisation=util[stage])]
+        out: list[Effect] = [record(RecordName.JOIN_STAGE, node=self.me.id, stage=stage, utilisation=util[stage])]
         if factory is not None:
             out += list(self.router.on_start(now))
         for pid in sorted(self.directory):
@@ -638,8 +639,8 @@ class MembershipMixin(CoreState):
             return self._ask_state(holders[0], StateRequest(stage=self.me.stage, checkpoint=checkpoint), size, now)
         self.state_source = "checkpoint"
         key = ("state", self.me.stage, checkpoint, "checkpoint")
-        job = self.job("load_checkpoint", checkpoint)
-        return [Compute(job, "load_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+        job = self.job(ComputeKind.LOAD_CHECKPOINT, checkpoint)
+        return [Compute(job, ComputeKind.LOAD_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
 
     def _ask_state(self, src: NodeId, req: StateRequest, size: int, now: float) -> list[Effect]:
         """Send a state request to `src` with the state deadline (`on_state_timer`)."""
@@ -652,7 +653,7 @@ class MembershipMixin(CoreState):
         if self.active or self.me.stage < 0 or src in ("", "checkpoint"):
             return []
         self._state_failed(src)
-        return [record("state_timeout", node=self.me.id, source=src)] + \
+        return [record(RecordName.STATE_TIMEOUT, node=self.me.id, source=src)] + \
             self.fetch_state(self.restore_point(), now)
 
     def _state_failed(self, src: NodeId) -> None:
@@ -665,8 +666,8 @@ class MembershipMixin(CoreState):
             return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
         key = ("state", self.me.stage, self.version, self.me.id)
         size = self.train.stage_state_bytes[self.me.stage]
-        job = self.job("export_state", (sender, key, self.version))
-        return [Compute(job, "export_state", self.me.stage, None, 0.0, (), (key,), size)]
+        job = self.job(ComputeKind.EXPORT_STATE, (sender, key, self.version))
+        return [Compute(job, ComputeKind.EXPORT_STATE, self.me.stage, None, 0.0, (), (key,), size)]
 
     def _checkpoint_request(self, sender: NodeId, msg: StateRequest) -> list[Effect]:
         """A data holder answers a joiner with its copy of checkpoint `msg.checkpoint` of
@@ -676,8 +677,8 @@ class MembershipMixin(CoreState):
             return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
         key = ("ckpt", msg.stage, msg.checkpoint, self.me.id)
         size = self.train.stage_state_bytes[msg.stage]
-        job = self.job("read_checkpoint", (sender, key, msg.checkpoint))
-        return [Compute(job, "read_checkpoint", self.me.stage, None, 0.0, (), (key,), size)]
+        job = self.job(ComputeKind.READ_CHECKPOINT, (sender, key, msg.checkpoint))
+        return [Compute(job, ComputeKind.READ_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
 
     def _keep_checkpoint(self, sender: NodeId, msg: StateTransfer) -> list[Effect]:
         """A data holder receives a relay stage's checkpoint from one of its replicas: keep it."""
@@ -687,8 +688,9 @@ class MembershipMixin(CoreState):
               and v >= 1 and v % self.cfg.checkpoint_every == 0 and msg.key == ("ckpt", k, v, sender))
         if not ok:
             return [log("warning", "checkpoint_refused", sender=sender, stage=k, version=v)]
-        job = self.job("store_checkpoint", msg.key)
-        return [Compute(job, "store_checkpoint", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
+        job = self.job(ComputeKind.STORE_CHECKPOINT, msg.key)
+        return [Compute(job, ComputeKind.STORE_CHECKPOINT, self.me.stage, None, 0.0, (msg.key,), (),
+                        msg.size_bytes)]
 
     def on_state_transfer(self, sender: NodeId, msg: StateTransfer, now: float) -> list[Effect]:
         if self.active and msg.key[:1] == ("ckpt",):
@@ -701,23 +703,24 @@ class MembershipMixin(CoreState):
             return self.fetch_state(self.restore_point(), now)
         out: list[Effect] = []
         if msg.key[:1] == ("ckpt",):
-            out.append(record("checkpoint_fetched", node=self.me.id, stage=msg.stage, version=msg.version,
+            out.append(record(RecordName.CHECKPOINT_FETCHED, node=self.me.id, stage=msg.stage, version=msg.version,
                               source=sender))
-        job = self.job("import_state", msg.version)
-        return out + [Compute(job, "import_state", self.me.stage, None, 0.0, (msg.key,), (), msg.size_bytes)]
+        job = self.job(ComputeKind.IMPORT_STATE, msg.version)
+        return out + [Compute(job, ComputeKind.IMPORT_STATE, self.me.stage, None, 0.0, (msg.key,), (),
+                              msg.size_bytes)]
 
-    def membership_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
-        if kind in ("export_state", "read_checkpoint"):
+    def membership_compute_done(self, kind: ComputeKind, ref: Any, now: float) -> list[Effect]:
+        if kind in (ComputeKind.EXPORT_STATE, ComputeKind.READ_CHECKPOINT):
             to, key, version = ref
             size = self.train.stage_state_bytes[key[1]]
             return [self.send_booked(to, StateTransfer(stage=key[1], version=version, key=key, size_bytes=size),
                                      now)]
-        if kind == "export_checkpoint":
+        if kind == ComputeKind.EXPORT_CHECKPOINT:
             targets, key, version = ref
             size = self.train.stage_state_bytes[key[1]]
             msg = StateTransfer(stage=key[1], version=version, key=key, size_bytes=size)
             return [self.send_booked(d, msg, now) for d in targets]
-        if kind in ("import_state", "load_checkpoint"):
+        if kind in (ComputeKind.IMPORT_STATE, ComputeKind.LOAD_CHECKPOINT):
             if self.active or self.me.stage < 0:
                 return []
             self.version = int(ref)
@@ -725,7 +728,7 @@ class MembershipMixin(CoreState):
             return [self.send(self.leader, Ready(stage=self.me.stage, version=self.version, peer=to_tuple(self.me)))]
         return []
 
-    def state_failed(self, kind: str, now: float) -> list[Effect]:
+    def state_failed(self, kind: ComputeKind, now: float) -> list[Effect]:
         """Importing fetched state (or loading the checkpoint) failed: fetch again."""
         return self.fetch_state(self.restore_point(), now)
 

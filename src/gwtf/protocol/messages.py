@@ -1,7 +1,8 @@
 """Messages and effects of the training protocol (data plane, membership, aggregation).
 
 Owns: every message NodeCore sends that is not routing ("flow." / "swarm." belong to the
-router), the training effects (`Compute`, `Record`, `FreeIteration`), and the microbatch id type.
+router), the training effects (`Compute`, `Record`, `FreeIteration`), `Effect` (the closed union
+of every effect a core returns, base ones included) and the microbatch id type.
 TYPE prefixes: "train." (microbatch data plane), "mem." (membership, join, leave, state
 transfer), "agg." (iteration barrier and aggregation).
 
@@ -16,9 +17,10 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, get_args
 
-from gwtf.protocol.base import Message, NodeId, fast_init, message
+from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer, fast_init, message
+from gwtf.protocol.kinds import ComputeKind, RecordName
 
 MbId = tuple[str, int, int]
 """A microbatch: (origin data holder, iteration, index within that holder's iteration)."""
@@ -39,20 +41,10 @@ NONE = -1  # "no value" for int fields (messages carry no Optional nested types)
 class Compute:
     """Run one stage computation; the driver answers with `on_compute_done(job_id, now)`.
 
-    kind: "embed" (DH: embedding forward), "forward", "loss" (DH: head fwd+bwd, writes the
-    gradient w.r.t. the returned activation), "backward" (accumulates the stage's parameter
-    gradients), "embed_backward" (DH), "export_grad" (accumulated gradient -> a key), "reduce"
-    (sum the input gradients in the given order, divide by `count`), "step" (optimizer step on
-    the reduced gradient),
-    "reset_grad" (discard accumulated gradients), "export_state" / "import_state" (weights +
-    optimizer state under a key), "load_checkpoint" (this host's copy), "export_checkpoint"
-    (a replica: the checkpoint it just wrote, under a "ckpt" key, for the data holders),
-    "store_checkpoint" (a data holder: keep a received "ckpt" key on disk), "read_checkpoint"
-    (a data holder: its copy of a stage's checkpoint under a "ckpt" key, for a joiner).
-    """
+    kind: what to run (`kinds.ComputeKind` says what each kind means)."""
 
     job_id: int
-    kind: str
+    kind: ComputeKind
     stage: int
     mb: MbId | None
     flops: float
@@ -67,7 +59,7 @@ class Compute:
 class Record:
     """A fact for metrics and invariant checks (the sim collects it; the runtime logs JSONL)."""
 
-    event: str
+    event: RecordName
     fields: tuple[tuple[str, Any], ...] = ()
 
 
@@ -79,8 +71,16 @@ class FreeIteration:
     iteration: int
 
 
-def record(event: str, **fields: Any) -> Record:
+def record(event: RecordName, **fields: Any) -> Record:
     return Record(event, tuple(fields.items()))
+
+
+Effect: TypeAlias = Send | SetTimer | CancelTimer | Log | Compute | Record | FreeIteration
+"""Everything a NodeCore handler returns: a closed union. A driver dispatches on it exhaustively
+(`match` / isinstance chain ending in `typing.assert_never`, so mypy names a missing case) and
+raises on anything else; tests/unit/test_effect_dispatch.py checks every driver handles each."""
+
+EFFECT_TYPES: tuple[type, ...] = get_args(Effect)
 
 
 # --------------------------------------------------------------------------------------------

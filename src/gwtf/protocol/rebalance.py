@@ -30,6 +30,7 @@ from typing import Any
 
 from gwtf.protocol.base import Message, NodeId, message
 from gwtf.protocol.core import NodeCore
+from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import CoreState, Effect, Policy
 from gwtf.protocol.messages import LeaveNotice, record
 from gwtf.protocol.router import LinkEstimate, PeerInfo
@@ -114,7 +115,7 @@ class RebalanceMixin(CoreState):
         if self.me.stage < 1 or not self.active or getattr(self, "is_leader", False) \
                 or not 1 <= msg.stage < self.S:
             return []
-        event = "swarm_move" if msg.TYPE.startswith("swarm.") else "stage_move"
+        event = RecordName.SWARM_MOVE if msg.TYPE.startswith("swarm.") else RecordName.STAGE_MOVE
         out: list[Effect] = [record(event, node=self.me.id, stage=self.me.stage, to=msg.stage)]
         self.move_target = msg.stage
         self.active = False
@@ -252,9 +253,9 @@ class GwtfCore(RebalanceMixin, NodeCore):
                          else max(int(self.cfg.rebalance_period_s / max(self.iteration_s, 1e-9)), 1))
         move = plan_gwtf_move(inp)
         if move is None:
-            return [record("rebalance", moved="", to=-1)]
+            return [record(RecordName.REBALANCE, moved="", to=-1)]
         pid, target = move
-        return [record("rebalance", moved=pid, to=target), self.send(pid, StageMove(term=self.term, stage=target))]
+        return [record(RecordName.REBALANCE, moved=pid, to=target), self.send(pid, StageMove(term=self.term, stage=target))]
 
     def _download_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
         """Per peer: seconds to fetch the largest stage state at its mean link bandwidth."""

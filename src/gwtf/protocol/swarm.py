@@ -36,6 +36,7 @@ from typing import Any
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import Message, NodeId, message
 from gwtf.protocol.core import NodeCore
+from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import Effect, Policy, TrainParams
 from gwtf.protocol.messages import record
 from gwtf.protocol.rebalance import RebalanceMixin, StageMove
@@ -237,9 +238,9 @@ class SwarmCore(RebalanceMixin, NodeCore):
         members = [self.directory[p] for p in sorted(self.directory)]
         move = plan_move(members, self.train.stage_flops, self.transfer_estimates(members))
         if move is None:
-            return [record("rebalance", moved="", to=-1)]
+            return [record(RecordName.REBALANCE, moved="", to=-1)]
         pid, target = move
-        return [record("rebalance", moved=pid, to=target), self.send(pid, SwarmMove(term=self.term, stage=target))]
+        return [record(RecordName.REBALANCE, moved=pid, to=target), self.send(pid, SwarmMove(term=self.term, stage=target))]
 
     # -- relay side --------------------------------------------------------------------------
 

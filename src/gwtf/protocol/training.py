@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import CoreState, Effect, GradOut, Leg, Origin
 from gwtf.protocol.messages import (
     NONE,
@@ -65,9 +66,10 @@ class TrainingMixin(CoreState):
             inflight += 1
             o = Origin(mb=mb, out_key=self.mb_key("act", mb, mb[2]), started_at=now)
             self.origins[mb] = o
-            out.append(record("mb_start", mb=mb, node=self.me.id))
+            out.append(record(RecordName.MB_START, mb=mb, node=self.me.id))
             flops = EMBED * self.train.stage_flops[0]
-            out.append(Compute(self.job("embed", mb), "embed", 0, mb, flops, (), (o.out_key,)))
+            out.append(Compute(self.job(ComputeKind.EMBED, mb), ComputeKind.EMBED, 0, mb, flops, (),
+                               (o.out_key,)))
             out.append(self.timer(("mb", mb), self._mb_deadline_s(), now))
         return out
 
@@ -136,7 +138,7 @@ class TrainingMixin(CoreState):
         rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
         if rec is None or rec.phase not in ("out", "got") or rec.next != peer:
             return []
-        out: list[Effect] = [self.cancel(("ackf", ref)), record("reroute", node=self.me.id, mb=rec.mb,
+        out: list[Effect] = [self.cancel(("ackf", ref)), record(RecordName.REROUTE, node=self.me.id, mb=rec.mb,
                                                                   dead=peer)]
         if isinstance(rec, Leg) and self.me.stage == self.S - 1 and rec.until == NONE:
             if peer not in self.directory:
@@ -176,21 +178,21 @@ class TrainingMixin(CoreState):
         self.legs[n] = leg
         flops = FWD * self.train.stage_flops[self.me.stage]
         return [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1])),
-                Compute(self.job("forward", n), "forward", self.me.stage, msg.mb, flops, (msg.key,),
-                        (leg.out_key,))]
+                Compute(self.job(ComputeKind.FORWARD, n), ComputeKind.FORWARD, self.me.stage, msg.mb, flops,
+                        (msg.key,), (leg.out_key,))]
 
     def _dh_return(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
         out: list[Effect] = [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1]))]
         o = self.origins.get(msg.mb)
         if o is None or o.phase not in ("out", "got", "passed", "parked"):
-            return out + [record("dup_return", node=self.me.id, mb=msg.mb)]
+            return out + [record(RecordName.DUP_RETURN, node=self.me.id, mb=msg.mb)]
         out.append(self.cancel(("ackf", o.mb)))
         self.release(o.next)
         o.phase = "loss"
         lgrad = self.mb_key("lgrad", o.mb, o.mb[2])
         flops = LOSS * self.train.stage_flops[0]
-        job = self.job("loss", (o.mb, msg.path, msg.legs, lgrad))
-        return out + [Compute(job, "loss", 0, o.mb, flops, (msg.key,), (lgrad,))]
+        job = self.job(ComputeKind.LOSS, (o.mb, msg.path, msg.legs, lgrad))
+        return out + [Compute(job, ComputeKind.LOSS, 0, o.mb, flops, (msg.key,), (lgrad,))]
 
     def _rec(self, mb: MbId, leg: int) -> tuple[Leg | Origin | None, int | MbId]:
         if self.me.stage == 0:
@@ -232,8 +234,8 @@ class TrainingMixin(CoreState):
             o.phase = "embed_bwd"
             out.append(self.cancel(("gget", o.mb)))
             flops = EMBED_BWD * self.train.stage_flops[0]
-            job = self.job("embed_backward", (o.mb, sender))
-            return out + [Compute(job, "embed_backward", 0, o.mb, flops, (msg.key,), ())]
+            job = self.job(ComputeKind.EMBED_BACKWARD, (o.mb, sender))
+            return out + [Compute(job, ComputeKind.EMBED_BACKWARD, 0, o.mb, flops, (msg.key,), ())]
         leg = self.legs.get(msg.legs[pos]) if len(msg.legs) == self.S else None
         if leg is None or leg.mb != msg.mb or leg.phase == "bwd":
             return [log("warning", "unknown_backward", mb=msg.mb, sender=sender)]
@@ -245,9 +247,9 @@ class TrainingMixin(CoreState):
         leg.phase = "bwd"
         gkey = self.mb_key("grad", leg.mb, leg.n)
         flops = BWD * self.train.stage_flops[pos]
-        job = self.job("backward", (leg.n, msg.path, msg.legs, gkey, sender))
-        return out + [Compute(job, "backward", pos, leg.mb, flops, (leg.in_key, leg.out_key, msg.key),
-                              (gkey,))]
+        job = self.job(ComputeKind.BACKWARD, (leg.n, msg.path, msg.legs, gkey, sender))
+        return out + [Compute(job, ComputeKind.BACKWARD, pos, leg.mb, flops,
+                              (leg.in_key, leg.out_key, msg.key), (gkey,))]
 
     def _backward_counted(self, sender: NodeId, msg: Backward, pos: int, now: float) -> list[Effect]:
         """A backward for a microbatch this node has counted already. A duplicate, or the end of
@@ -257,7 +259,7 @@ class TrainingMixin(CoreState):
         cached when it counted the microbatch (same weights, same activation: the same
         gradient) down the chain, counting nothing again (seed 650951: every restart ended at
         a replica that had counted it, and the iteration never finished)."""
-        final = [self.send(sender, BackAck(mb=msg.mb, final=True))]
+        final: list[Effect] = [self.send(sender, BackAck(mb=msg.mb, final=True))]
         cached = self.grad_cache.get(msg.mb)
         leg = self.legs.get(msg.legs[pos]) if 0 < pos and len(msg.legs) == self.S else None
         if cached is None or leg is None or leg.mb != msg.mb or leg.phase in ("bwd", "done") \
@@ -268,20 +270,20 @@ class TrainingMixin(CoreState):
         elif leg.next:
             self.release(leg.next)
         leg.phase = "done"
-        return final + [record("grad_passed_on", node=self.me.id, mb=msg.mb)] + \
+        return final + [record(RecordName.GRAD_PASSED_ON, node=self.me.id, mb=msg.mb)] + \
             self._send_grad(msg.mb, msg.path, msg.legs, pos, cached[0], now)
 
     # ---- compute completions ------------------------------------------------------------
 
-    def training_compute_done(self, kind: str, ref: Any, now: float) -> list[Effect]:
-        if kind == "embed":
+    def training_compute_done(self, kind: ComputeKind, ref: Any, now: float) -> list[Effect]:
+        if kind == ComputeKind.EMBED:
             o = self.origins.get(ref)
             if o is None or o.phase != "embed":
                 return []
             return self._resend(o, now)
-        if kind == "forward":
+        if kind == ComputeKind.FORWARD:
             return self._forward_done(ref, now)  # type: ignore[arg-type]
-        if kind == "loss":
+        if kind == ComputeKind.LOSS:
             mb, path, legs, lgrad = ref
             o = self.origins.get(mb)
             if o is None:
@@ -289,7 +291,7 @@ class TrainingMixin(CoreState):
             o.phase = "backward"
             self.grad_cache[mb] = (lgrad, path, legs)
             return self._send_grad(mb, path, legs, self.S, lgrad, now)
-        if kind == "backward":
+        if kind == ComputeKind.BACKWARD:
             n, path, legs, gkey, ack_to = ref
             leg = self.legs.get(n)
             if leg is None or leg.mb in self.contributed:
@@ -297,7 +299,7 @@ class TrainingMixin(CoreState):
             leg.phase = "done"
             ack = self.send(ack_to, BackAck(mb=leg.mb, final=True))
             return self._contribute(leg.mb, n, now) + self._after_backward(leg, path, legs, gkey, now) + [ack]
-        if kind == "embed_backward":
+        if kind == ComputeKind.EMBED_BACKWARD:
             mb, ack_to = ref
             o = self.origins.get(mb)
             if o is None or o.mb in self.contributed:
@@ -314,7 +316,7 @@ class TrainingMixin(CoreState):
 
     def _contribute(self, mb: MbId, n: int, now: float) -> list[Effect]:
         self.contributed[mb] = n
-        out: list[Effect] = [record("contribute", node=self.me.id, stage=self.me.stage, mb=mb)]
+        out: list[Effect] = [record(RecordName.CONTRIBUTE, node=self.me.id, stage=self.me.stage, mb=mb)]
         return out + self.after_contribution(now)
 
     def _after_backward(self, leg: Leg, path: tuple[NodeId, ...], legs: tuple[int, ...], gkey: TensorKey,
@@ -375,11 +377,11 @@ class TrainingMixin(CoreState):
     def _redo_walk(self, g: GradOut, start: int, now: float) -> list[Effect]:
         if start < 1:
             del self.gouts[g.mb]
-            return [record("abandoned", node=self.me.id, mb=g.mb, reason="origin_lost")]
+            return [record(RecordName.ABANDONED, node=self.me.id, mb=g.mb, reason="origin_lost")]
         g.redo_start = start
         to = g.path[start - 1]
         msg = Redo(mb=g.mb, path=g.path, legs=g.legs, start=start, until=g.pos, holder=self.me.id)
-        return [record("redo", node=self.me.id, mb=g.mb, start=start, until=g.pos, mode="inflight"),
+        return [record(RecordName.REDO, node=self.me.id, mb=g.mb, start=start, until=g.pos, mode="inflight"),
                 self.send(to, msg), self.timer(("redo", g.mb), self.ack_deadline_s(to, 0), now)]
 
     def on_redoack(self, sender: NodeId, msg: RedoAck, now: float) -> list[Effect]:
@@ -454,7 +456,7 @@ class TrainingMixin(CoreState):
         if rec is None or rec.phase != "gradwait":
             return []
         rec.phase = "done"
-        return [record("chain_failed", node=self.me.id, mb=rec.mb)]
+        return [record(RecordName.CHAIN_FAILED, node=self.me.id, mb=rec.mb)]
 
     def on_mb_deadline(self, mb: MbId, now: float) -> list[Effect]:
         """DH safety net: restart a lost forward; give up waiting for a lost backward."""
@@ -475,8 +477,8 @@ class TrainingMixin(CoreState):
                 # gradient twice), else run the whole pipeline.
                 o.until, o.holder = (self.S, self.me.id) if mb in self.grad_cache else (NONE, "")
             out.append(self.cancel(("ackf", mb)))
-            return out + [record("mb_restart", node=self.me.id, mb=mb)] + self._resend(o, now)
+            return out + [record(RecordName.MB_RESTART, node=self.me.id, mb=mb)] + self._resend(o, now)
         if o.phase in ("loss", "backward", "gradwait", "embed_bwd"):
             o.incomplete = True
-            return out + [record("mb_incomplete", node=self.me.id, mb=mb)] + self._dh_progress(now)
+            return out + [record(RecordName.MB_INCOMPLETE, node=self.me.id, mb=mb)] + self._dh_progress(now)
         return out

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gwtf.protocol.invariants import InvariantChecker
+from gwtf.protocol.kinds import RecordName
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
 _DRIVER_FIELDS = frozenset({"event", "t_s", "unix_s", "me"})  # what the node driver adds to a core Record
@@ -33,11 +34,11 @@ def current_step_hashes(records: Records) -> dict[tuple[int, int], dict[str, str
     (a stage was lost) voids every step of iterations >= v logged before it, since those
     iterations run again (with other replicas, so other summation groups: not bit-equal)."""
     rollbacks = [(float(r.get("unix_s", 0.0)), int(r["version"])) for rows in records.values() for r in rows
-                 if r.get("event") == "rollback"]
+                 if r.get("event") == RecordName.ROLLBACK]
     out: dict[tuple[int, int], dict[str, str]] = {}
     for name, rows in records.items():
         for r in rows:
-            if r.get("event") != "stepped":
+            if r.get("event") != RecordName.STEPPED:
                 continue
             it, at = int(r["iteration"]), float(r.get("unix_s", 0.0))
             if any(t > at and v <= it for t, v in rollbacks):
@@ -64,7 +65,7 @@ def final_decisions(records: Records) -> dict[tuple[int, int], Mapping[str, Any]
     out: dict[tuple[int, int], Mapping[str, Any]] = {}
     for rows in records.values():
         for r in rows:
-            if r.get("event") != "decision":
+            if r.get("event") != RecordName.DECISION:
                 continue
             key = (int(r["iteration"]), int(r["stage"]))
             if key not in out or r["round"] > out[key]["round"]:
@@ -76,7 +77,7 @@ def _contributions(records: Records) -> dict[str, Counter[tuple[str, int, int, i
     out: dict[str, Counter[tuple[str, int, int, int]]] = {}
     for rows in records.values():
         for r in rows:
-            if r.get("event") == "contribute":
+            if r.get("event") == RecordName.CONTRIBUTE:
                 origin, it, idx = r["mb"]
                 out.setdefault(str(r["node"]), Counter())[(origin, int(it), int(idx), int(r["stage"]))] += 1
     return out
@@ -100,14 +101,14 @@ def audit_ledger(
     """
     problems: list[str] = []
     standing = current_step_hashes(records)
-    restored = {int(r["version"]) for rows in records.values() for r in rows if r.get("event") == "rollback"}
+    restored = {int(r["version"]) for rows in records.values() for r in rows if r.get("event") == RecordName.ROLLBACK}
     decisions = final_decisions(records)
     logged = _contributions(records)
     totals: dict[str, int] = {"expected": 0, "dropped": 0}
     lost: set[tuple[int, str]] = set()  # (iteration, data holder) dropped by the leader
     for rows in records.values():
         for r in rows:
-            if r.get("event") == "dh_lost":
+            if r.get("event") == RecordName.DH_LOST:
                 totals["dropped"] += dropped_by(r, microbatches)
                 lost.add((int(r["iteration"]), str(r["node"])))
     for it in range(first, iterations):

@@ -21,7 +21,7 @@ and `free_store`. A compute first moves the inbox into the store, so a message's
 before any compute emitted after its arrival; after the job it publishes the wire form of its
 outputs (a view, no copy, on CPU) before its completion reaches the core. One lock guards the two
 dicts the threads share. A single-threaded driver (the tensor simulator) may call all of it from
-one thread; `other_effect` then frees both sides at once.
+one thread; `free_iteration` then frees both sides at once.
 
 Checkpoints (for a stage whose every replica died, and for `--resume`): after each step whose
 version is a multiple of `protocol.checkpoint_every`, every replica writes the same bytes to
@@ -45,7 +45,7 @@ import zlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
+from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.systems import build_core, get_system, iteration_params
@@ -65,10 +66,11 @@ from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 if TYPE_CHECKING:
     from gwtf.runtime.node import NodeIdentity
 
-DONE_EVENTS = frozenset({"training_done", "done", "self_stop"})
-CRASH_EVENTS = frozenset({"evict", "leader_lost"})
-JOIN_EVENTS = frozenset({"join_stage", "member_join", "activate"})
-ACTIVE_EVENTS = frozenset({"activated"})
+# Records the node process reacts to (each one a record the core emits)
+DONE_EVENTS = frozenset({RecordName.TRAINING_DONE, RecordName.SELF_STOP})  # this node's training is over
+CRASH_EVENTS = frozenset({RecordName.EVICT, RecordName.LEADER_LOST})  # counted in status.json's crashes_seen
+JOIN_EVENTS = frozenset({RecordName.JOIN_STAGE})  # this node was given a stage: joins_seen
+ACTIVE_EVENTS = frozenset({RecordName.ACTIVATED})  # a joiner holds its stage's state: state "active"
 
 
 def init_torch_thread(threads: int) -> None:
@@ -77,16 +79,8 @@ def init_torch_thread(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def is_record(eff: Any) -> bool:
-    return isinstance(eff, Record)
-
-
-def record_of(eff: Record) -> tuple[str, dict[str, Any]]:
+def record_of(eff: Record) -> tuple[RecordName, dict[str, Any]]:
     return eff.event, dict(eff.fields)
-
-
-def is_compute(eff: Any) -> bool:
-    return isinstance(eff, Compute)
 
 
 def job_id(eff: Compute) -> int:
@@ -101,14 +95,16 @@ def fault_point(eff: Compute) -> tuple[str, int | None, int | None, int]:
     for key in eff.inputs + eff.outputs:
         if len(key) > 2 and isinstance(key[2], int):
             it = int(key[2])
-    return ("aggregate" if eff.kind in ("export_grad", "reduce", "step") else eff.kind), it, None, eff.stage
+    aggregate = eff.kind in (ComputeKind.EXPORT_GRAD, ComputeKind.REDUCE, ComputeKind.STEP)
+    point = "aggregate" if aggregate else eff.kind
+    return point, it, None, eff.stage
 
 
 @dataclass(slots=True)
 class ComputeResult:
     """What a finished job reports back: records to log (e.g. the loss)."""
 
-    records: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    records: list[tuple[RecordName, dict[str, Any]]] = field(default_factory=list)
 
 
 class Host:
@@ -220,21 +216,19 @@ class Host:
             self._arrivals += 1
             self._arrived[key] = self._arrivals
 
-    def other_effect(self, eff: Any, now: float,
-                     submit: Callable[[Callable[[int], None], int], None] | None = None) -> list[Any]:
+    def free_iteration(self, eff: FreeIteration,
+                       submit: Callable[[Callable[[int], None], int], None] | None = None) -> None:
         """`FreeIteration`: the wire side now; the store through `submit` (the torch thread's
         queue, in emission order), or at once when no `submit` is given (one-thread drivers)."""
-        if isinstance(eff, FreeIteration):
-            self.free_wire(eff.iteration)
-            # what arrives after this effect was emitted (e.g. a forward of the iteration a
-            # rollback starts again) is not the protocol's to drop: the torch thread runs the
-            # free later, so it frees only tensors that had arrived by now
-            cut = self._arrivals
-            if submit is None:
-                self.free_store(eff.iteration, cut)
-            else:
-                submit(lambda it: self.free_store(it, cut), eff.iteration)
-        return []
+        self.free_wire(eff.iteration)
+        # what arrives after this effect was emitted (e.g. a forward of the iteration a
+        # rollback starts again) is not the protocol's to drop: the torch thread runs the
+        # free later, so it frees only tensors that had arrived by now
+        cut = self._arrivals
+        if submit is None:
+            self.free_store(eff.iteration, cut)
+        else:
+            submit(lambda it: self.free_store(it, cut), eff.iteration)
 
     def free_wire(self, iteration: int) -> None:
         with self._lock:
@@ -304,49 +298,53 @@ class Host:
     def _run_job(self, w: StageWorker, eff: Compute) -> ComputeResult:
         out = ComputeResult()
         kind, ins, outs = eff.kind, eff.inputs, eff.outputs
-        if kind == "embed":
-            assert eff.mb is not None
-            tokens = w.embed(eff.mb, eff.mb[1], eff.mb[2], outs[0])
-            out.records.append(("tokens", {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
-        elif kind == "forward":
-            w.forward(outs[0], ins[0], outs[0])
-        elif kind == "loss":
-            assert eff.mb is not None
-            loss = w.loss(eff.mb, ins[0], outs[0])
-            tokens = self.cfg.model.microbatch_size * self.cfg.model.seq_len
-            out.records.append(("loss", {"iteration": eff.mb[1], "index": eff.mb[2], "loss": loss, "tokens": tokens}))
-        elif kind == "backward":
-            w.backward(ins[1], ins[2], outs[0])
-        elif kind == "embed_backward":
-            assert eff.mb is not None
-            w.backward(eff.mb, ins[0], None)
-        elif kind == "export_grad":
-            w.store[outs[0]] = w.grads_flat()
-            self.grad_counts[outs[0]] = w.microbatches_accumulated
-        elif kind == "reset_grad":
-            w.zero_grads()
-        elif kind == "reduce":
-            w.store[outs[0]] = w.reduce([w.store[k] for k in ins], eff.count)
-            self.grad_counts[outs[0]] = eff.count
-        elif kind == "step":
-            out.records.append(("stepped", self._step(w, eff)))
-        elif kind == "export_state":  # one buffer, on the CPU: the transport streams it in chunks
-            blob = statefile.export_state(w)  # only ever sent: its wire form is the buffer itself
-            with self._lock:
-                self._wire[outs[0]] = blob
-            out.records.append(("state_exported", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
-        elif kind == "import_state":
-            out.records.append(self._import_state(w, ins[0]))
-        elif kind == "load_checkpoint":
-            self._load_checkpoint(w, outs[0])
-            out.records.append(("state_loaded", {"stage": w.stage, "version": outs[0][2], "hash": w.weights_hash()}))
-        elif kind in ("export_checkpoint", "store_checkpoint", "read_checkpoint"):
-            out.records.append(self._checkpoint_copy(w, eff))
-        else:
-            raise ValueError(f"unknown compute kind {kind!r}")
+        match kind:
+            case ComputeKind.EMBED:
+                assert eff.mb is not None
+                tokens = w.embed(eff.mb, eff.mb[1], eff.mb[2], outs[0])
+                out.records.append((RecordName.TOKENS, {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
+            case ComputeKind.FORWARD:
+                w.forward(outs[0], ins[0], outs[0])
+            case ComputeKind.LOSS:
+                assert eff.mb is not None
+                loss = w.loss(eff.mb, ins[0], outs[0])
+                tokens = self.cfg.model.microbatch_size * self.cfg.model.seq_len
+                out.records.append((RecordName.LOSS, {"iteration": eff.mb[1], "index": eff.mb[2], "loss": loss,
+                                             "tokens": tokens}))
+            case ComputeKind.BACKWARD:
+                w.backward(ins[1], ins[2], outs[0])
+            case ComputeKind.EMBED_BACKWARD:
+                assert eff.mb is not None
+                w.backward(eff.mb, ins[0], None)
+            case ComputeKind.EXPORT_GRAD:
+                w.store[outs[0]] = w.grads_flat()
+                self.grad_counts[outs[0]] = w.microbatches_accumulated
+            case ComputeKind.RESET_GRAD:
+                w.zero_grads()
+            case ComputeKind.REDUCE:
+                w.store[outs[0]] = w.reduce([w.store[k] for k in ins], eff.count)
+                self.grad_counts[outs[0]] = eff.count
+            case ComputeKind.STEP:
+                out.records.append((RecordName.STEPPED, self._step(w, eff)))
+            case ComputeKind.EXPORT_STATE:  # one buffer, on the CPU: the transport streams it in chunks
+                blob = statefile.export_state(w)  # only ever sent: its wire form is the buffer itself
+                with self._lock:
+                    self._wire[outs[0]] = blob
+                out.records.append((RecordName.STATE_EXPORTED, {"stage": w.stage, "version": outs[0][2],
+                                                       "hash": w.weights_hash()}))
+            case ComputeKind.IMPORT_STATE:
+                out.records.append(self._import_state(w, ins[0]))
+            case ComputeKind.LOAD_CHECKPOINT:
+                self._load_checkpoint(w, outs[0])
+                out.records.append((RecordName.STATE_LOADED, {"stage": w.stage, "version": outs[0][2],
+                                                     "hash": w.weights_hash()}))
+            case ComputeKind.EXPORT_CHECKPOINT | ComputeKind.STORE_CHECKPOINT | ComputeKind.READ_CHECKPOINT:
+                out.records.append(self._checkpoint_copy(w, eff))
+            case _:
+                assert_never(kind)  # raises on a kind this driver does not know
         return out
 
-    def _import_state(self, w: StageWorker, key: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+    def _import_state(self, w: StageWorker, key: Sequence[Any]) -> tuple[RecordName, dict[str, Any]]:
         """Install fetched state: a replica's live state ("state" key), or a data holder's copy
         of a checkpoint ("ckpt" key), which is also kept on this host's disk, so the Rollback
         that follows the restore of a lost stage reloads it here (several hosts)."""
@@ -356,10 +354,10 @@ class Host:
             checkpoints.keep_version(self.ckpt_dir, w.stage, int(key[2]), arr.data)
         else:
             statefile.import_state(w, arr)
-        return "state_imported", {"stage": w.stage, "version": key[2], "hash": w.weights_hash(),
+        return RecordName.STATE_IMPORTED, {"stage": w.stage, "version": key[2], "hash": w.weights_hash(),
                                   "source": key[3], "checkpoint": key[0] == "ckpt"}
 
-    def _checkpoint_copy(self, w: StageWorker, eff: Compute) -> tuple[str, dict[str, Any]]:
+    def _checkpoint_copy(self, w: StageWorker, eff: Compute) -> tuple[RecordName, dict[str, Any]]:
         """The data holders' copies of the relay stages' checkpoints (docs/runtime.md):
         export_checkpoint (a replica: the blob it just wrote, under the "ckpt" key, for the
         sends that follow), store_checkpoint (a data holder: a received one to its disk),
@@ -367,14 +365,14 @@ class Host:
         key = (eff.outputs or eff.inputs)[0]
         stage, version = int(key[1]), int(key[2])
         fields: dict[str, Any] = {"stage": stage, "version": version}
-        if eff.kind == "store_checkpoint":
+        if eff.kind == ComputeKind.STORE_CHECKPOINT:
             arr = tensor_to_numpy(w.store.pop(key))
             with self._lock:
                 self._wire.pop(key, None)
             fields.update(source=key[3], written=checkpoints.keep_version(self.ckpt_dir, stage, version,
                                                                          arr.data))
-            return "checkpoint_stored", fields
-        if eff.kind == "export_checkpoint":
+            return RecordName.CHECKPOINT_STORED, fields
+        if eff.kind == ComputeKind.EXPORT_CHECKPOINT:
             last = self._last_blob
             blob = last[2] if last is not None and last[:2] == (stage, version) else w.state_blob()
         else:
@@ -382,7 +380,8 @@ class Host:
         self._last_blob = None
         with self._lock:
             self._wire[key] = blob  # only ever sent: its wire form is the buffer itself
-        return ("checkpoint_exported" if eff.kind == "export_checkpoint" else "checkpoint_served"), fields
+        exported = eff.kind == ComputeKind.EXPORT_CHECKPOINT
+        return (RecordName.CHECKPOINT_EXPORTED if exported else RecordName.CHECKPOINT_SERVED), fields
 
     def compute_done(self, eff: Compute, result: ComputeResult, now: float) -> list[Any]:
         return list(self.core.on_compute_done(eff.job_id, now))

@@ -35,11 +35,13 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 from gwtf.config import Config
 from gwtf.errors import UserError
 from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer
+from gwtf.protocol.kinds import RecordName
+from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.runtime import drive, keys
 from gwtf.runtime.chaos import FaultSpec, fault_from, kill_self
 from gwtf.runtime.clock import Outbox, TimerTable, WanModel
@@ -191,7 +193,7 @@ class NodeRuntime:
             return
         self.state = "leaving"
         log.info("leaving: node=%s", self.node_id)
-        self.record("leave")
+        self.record(RecordName.LEAVE)
         if self.host is not None:
             self._apply(self.host.core.on_leave(asyncio.get_running_loop().time()))
         asyncio.get_running_loop().create_task(self._leave_then_stop())
@@ -227,16 +229,13 @@ class NodeRuntime:
 
     # -- effects ------------------------------------------------------------------------------
 
-    def _apply(self, effects: Iterable[Any]) -> None:
-        """Execute effects in order (each may produce more, which run right after)."""
-        pending = list(effects)
-        while pending:
-            eff = pending.pop(0)
-            pending[0:0] = self._apply_one(eff)
+    def _apply(self, effects: Iterable[Effect]) -> None:
+        """Execute effects in order (none produces more: a core's answers run through here again)."""
+        for eff in effects:
+            self._apply_one(eff)
 
-    def _apply_one(self, eff: Any) -> list[Any]:
+    def _apply_one(self, eff: Effect) -> None:
         assert self.host is not None
-        now = asyncio.get_running_loop().time()
         if isinstance(eff, Send):
             self._send(eff.to, eff.msg)
         elif isinstance(eff, SetTimer):
@@ -245,23 +244,27 @@ class NodeRuntime:
             self.timers.cancel(eff.key)
         elif isinstance(eff, Log):
             self._log(eff)
-        elif drive.is_record(eff):
-            event, fields = drive.record_of(eff)
-            self._check_fault(event, fields)
-            self.record(event, **fields)
-            self._track(event, fields)
-            if event == "self_stop":
-                self._stopped(str(fields.get("reason", "")))
-            if event in drive.DONE_EVENTS and self.state != "finishing":
-                self.state = "finishing"
-                asyncio.get_running_loop().create_task(self._finish_then_stop())
-        elif drive.is_compute(eff):
+        elif isinstance(eff, Record):
+            self._on_record(eff)
+        elif isinstance(eff, Compute):
             point, it, mb_index, stage = drive.fault_point(eff)
             self._check_fault(point, {"iteration": it, "index": mb_index, "stage": stage})
             self._submit(eff)
+        elif isinstance(eff, FreeIteration):
+            self.host.free_iteration(eff, submit=self._submit_job)
         else:
-            return self.host.other_effect(eff, now, submit=self._submit_job)
-        return []
+            assert_never(eff)  # raises on an effect type this driver does not know
+
+    def _on_record(self, eff: Record) -> None:
+        event, fields = drive.record_of(eff)
+        self._check_fault(event, fields)
+        self.record(event, **fields)
+        self._track(event, fields)
+        if event == RecordName.SELF_STOP:
+            self._stopped(str(fields.get("reason", "")))
+        if event in drive.DONE_EVENTS and self.state != "finishing":
+            self.state = "finishing"
+            asyncio.get_running_loop().create_task(self._finish_then_stop())
 
     def _submit_job(self, fn: Any, *args: Any) -> None:
         """Queue a torch-thread job that answers nothing (e.g. freeing tensors), in order."""
@@ -290,7 +293,7 @@ class NodeRuntime:
         (log.info if finished else log.error)("%s", line)
         self._write_status()
 
-    def _submit(self, eff: Any) -> None:
+    def _submit(self, eff: Compute) -> None:
         assert self.host is not None
         host = self.host
         fut = asyncio.get_running_loop().run_in_executor(self.executor, host.compute, eff)
@@ -356,7 +359,7 @@ class NodeRuntime:
             self.host.store_tensors(msg, tensors)
         except ValueError as exc:
             log.warning("refused %s from %s: %s", msg.TYPE, sender, exc)
-            self.record("message_refused", sender=sender, type=msg.TYPE, reason=str(exc))
+            self.record(RecordName.MESSAGE_REFUSED, sender=sender, type=msg.TYPE, reason=str(exc))
             return
         self._apply(self.host.core.on_message(sender, msg, now))
 
@@ -370,7 +373,7 @@ class NodeRuntime:
 
     # -- observability ------------------------------------------------------------------------
 
-    def record(self, event: str, **fields: Any) -> None:
+    def record(self, event: RecordName, **fields: Any) -> None:
         self.records.write({"event": event, **fields, "t_s": round(time.monotonic() - self.started_s, 4),
                             "unix_s": round(time.time(), 4), "me": self.node_id})
 
@@ -378,7 +381,7 @@ class NodeRuntime:
         level = getattr(logging, eff.level.upper(), logging.INFO)
         log.log(level, "%s %s", eff.event, " ".join(f"{k}={v}" for k, v in eff.fields))
 
-    def _track(self, event: str, fields: dict[str, Any]) -> None:
+    def _track(self, event: RecordName, fields: dict[str, Any]) -> None:
         before = self.state
         self._track_stats(event, fields)
         if self.state != before:
@@ -386,16 +389,16 @@ class NodeRuntime:
             # "active" must see it even if the node is killed (e.g. by a fault) right after.
             self._write_status()
 
-    def _track_stats(self, event: str, fields: dict[str, Any]) -> None:
-        if event == "loss":
+    def _track_stats(self, event: RecordName, fields: dict[str, Any]) -> None:
+        if event == RecordName.LOSS:
             self.stats["last_loss"] = fields.get("loss")
-        elif event == "step":
+        elif event == RecordName.STEP:
             self.stats["iteration"] = fields.get("iteration")
             self.stats["tokens_per_s"] = fields.get("tokens_per_s", self.stats["tokens_per_s"])
             if self.state == "joining":
                 self.state = "active"
             self._progress()
-        elif event == "contribute":
+        elif event == RecordName.CONTRIBUTE:
             self.stats["microbatches"] += 1
         elif event in drive.CRASH_EVENTS:
             self.stats["crashes_seen"] += 1
@@ -424,7 +427,7 @@ class NodeRuntime:
         if self._status_due and late_s > self.cfg.protocol.heartbeat_period_s:
             log.warning("event loop stalled %.2fs (heartbeat period %.2fs)", late_s,
                         self.cfg.protocol.heartbeat_period_s)
-            self.record("loop_stall", late_s=round(late_s, 3))
+            self.record(RecordName.LOOP_STALL, late_s=round(late_s, 3))
 
     def _status_tick(self) -> None:
         self._write_status()
@@ -449,7 +452,7 @@ class NodeRuntime:
         it, mb, stage = fields.get("iteration"), fields.get("index"), fields.get("stage")
         if self.fault.matches(point, it if isinstance(it, int) else None, mb if isinstance(mb, int) else None,
                               stage if isinstance(stage, int) else None):
-            self.record("fault", point=point, iteration=it, index=mb, stage=stage, action=self.fault.action)
+            self.record(RecordName.FAULT, point=point, iteration=it, index=mb, stage=stage, action=self.fault.action)
             if self.fault.action == "flip":  # once: the next tensor frame sent carries a flipped bit
                 self.fault = None
                 self.transport.corrupt_next_frame()

@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from gwtf.config import Config
+from gwtf.protocol.kinds import RecordName
 from gwtf.runtime.audit import audit_ledger, dropped_by
 from gwtf.runtime.checkpoints import CHECKPOINTS_DIR, resume_version
 from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status, stalled_stages
 
-REDONE_EVENTS = frozenset({"redo"})  # the core's record of one redo (in flight or at aggregation)
-DROPPED_EVENTS = frozenset({"dh_lost"})  # leader: a data holder died; `started` microbatches dropped
+REDONE_EVENTS = frozenset({RecordName.REDO})  # the core's record of one redo (in flight or at aggregation)
+DROPPED_EVENTS = frozenset({RecordName.DH_LOST})  # leader: a data holder died; `started` microbatches dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +133,12 @@ class SwarmMetrics:
         if not isinstance(it, int):
             return
         slot = self._its.setdefault(it, _Iteration())
-        if event == "iter_start" and it == self.first == self.next_iteration:  # the leader starts training
+        if event == RecordName.ITER_START and it == self.first == self.next_iteration:  # the leader starts training
             self.unix_start_s = max(self.unix_start_s, float(row.get("unix_s", 0.0)))
-        if event == "loss" and p.plan.role == "data-holder":
+        if event == RecordName.LOSS and p.plan.role == "data-holder":
             slot.losses[(p.name, int(row["index"]))] = float(row["loss"])
             slot.tokens[(p.name, int(row["index"]))] = int(row.get("tokens", 0))
-        elif event == "stepped":
+        elif event == RecordName.STEPPED:
             if p.plan.role == "data-holder":
                 slot.stepped.add(p.name)
                 slot.unix_s = max(slot.unix_s, float(row.get("unix_s", 0.0)))
@@ -437,8 +438,8 @@ def served(records: list[dict[str, Any]]) -> bool:
     """A node's records show it activated (a joiner's activation) and then contributed work."""
     active = False
     for row in records:
-        if row.get("event") == "activated":
+        if row.get("event") == RecordName.ACTIVATED:
             active = True
-        elif active and row.get("event") == "contribute":
+        elif active and row.get("event") == RecordName.CONTRIBUTE:
             return True
     return False

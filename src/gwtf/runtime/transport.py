@@ -31,9 +31,9 @@ import asyncio
 import logging
 import secrets
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -380,7 +380,8 @@ class Transport:
         self.cfg = cfg or RuntimeConfig()
         self.limits = Limits(max_frame_bytes=self.cfg.max_frame_bytes)
         self.registry: Mapping[str, type[Message]] = MESSAGE_TYPES if registry is None else registry
-        self.wire_registry: Mapping[str, type[Message]] = ChainMap(CHUNK_TYPES, self.registry)  # live: not a snapshot
+        self.wire_registry: Mapping[str, type[Message]] = ChainMap(
+            CHUNK_TYPES, cast(MutableMapping[str, type[Message]], self.registry))  # live: not a snapshot
         self.chunk_bytes = min(self.cfg.chunk_bytes, self.cfg.max_frame_bytes // 2)
         keep_s = 2 * self.cfg.request_timeout_s + self.cfg.connect_timeout_s
         self.reassembler = Reassembler(self.registry, self.cfg.max_frame_bytes, self.cfg.max_transfer_bytes,

@@ -17,6 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from gwtf.protocol.kinds import RecordName as R
+
+COUNTED = frozenset({R.REROUTE, R.REDO, R.MB_RESTART, R.RESET, R.ABANDONED, R.EVICT, R.JOIN, R.DUP_RETURN,
+                     R.MB_INCOMPLETE, R.CHAIN_FAILED, R.LEADER_TAKEOVER, R.STAGE_LOST, R.SELF_STOP})
+"""Records the summary counts, one counter each (a redo by its mode: redo_inflight, redo_aggregation)."""
+
 
 class Metrics:
     def __init__(self, tokens_per_microbatch: int) -> None:
@@ -61,18 +67,17 @@ class Metrics:
             per[key] = per.get(key, 0.0) + dur_s
 
     def on_record(self, now: float, node: str, event: str, f: dict[str, Any]) -> None:
-        if event in ("reroute", "redo", "mb_restart", "reset", "abandoned", "evict", "join", "dup_return",
-                     "mb_incomplete", "chain_failed", "leader_takeover", "stage_lost", "self_stop"):
-            self.bump(event if event != "redo" else f"redo_{f.get('mode', '')}")
-        if event == "join":
+        if event in COUNTED:  # the summary's counters are keyed by plain strings
+            self.bump(str(event) if event != R.REDO else f"redo_{f.get('mode', '')}")
+        if event == R.JOIN:
             self.join_times.append(now)
-        if event == "mb_start":
+        if event == R.MB_START:
             self.started[f["mb"][1]] = self.started.get(f["mb"][1], 0) + 1
-        elif event == "iter_start":
+        elif event == R.ITER_START:
             self.iter_start_s[f["iteration"]] = now
-        elif event == "decision":
+        elif event == R.DECISION:
             self._decisions[(f["iteration"], f["round"], f["stage"])] = f["contributions"]
-        elif event == "step":
+        elif event == R.STEP:
             key = (f["iteration"], f["round"], f["stage"])
             if key not in self._applied:
                 self._applied.add(key)
@@ -83,18 +88,18 @@ class Metrics:
                 for rep, mbs in self._decisions.get(key, {}).items():
                     for mb in mbs:
                         self.useful_s += per.pop((rep, tuple(mb)), 0.0)
-        elif event == "iteration_done":
+        elif event == R.ITERATION_DONE:
             self._iteration_done(now, f)
-        elif event == "dh_lost":
+        elif event == R.DH_LOST:
             self.bump("dh_lost")
-        elif event == "rollback":
+        elif event == R.ROLLBACK:
             self.bump("rollbacks")
             self.bump("lost_iterations", f["lost_iterations"])
             for it in sorted(i for i in self.started if i >= f["version"]):
                 self.bump("microbatches_dropped", self.started.pop(it))
             for it in sorted(i for i in self.mb_work if i >= f["version"]):
                 self.discarded_s += sum(self.mb_work.pop(it).values())
-        elif event == "training_done":
+        elif event == R.TRAINING_DONE:
             self.finished_at = now
 
     def _iteration_done(self, now: float, f: dict[str, Any]) -> None:

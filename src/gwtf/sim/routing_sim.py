@@ -17,11 +17,11 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 from gwtf.config import FlowConfig
 from gwtf.flow.instance import Instance, NodeSpec, Route
-from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
+from gwtf.protocol.base import CancelTimer, Message, NodeId, RouterEffect, Send, SetTimer
 from gwtf.protocol.flow import FlowAgent
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 from gwtf.sim.engine import Engine
@@ -247,23 +247,24 @@ class RoutingSim:
             self._delay[(ra, rb)] = d
         return d
 
-    def _apply(self, nid: NodeId, effects: Sequence[Any]) -> None:
+    def _apply(self, nid: NodeId, effects: Sequence[RouterEffect]) -> None:
         engine = self.engine
         for eff in effects:
-            kind = type(eff)
-            if kind is Send:
+            if isinstance(eff, Send):
                 self.messages += 1
                 engine.after(self._delay_s(nid, eff.to), self._receive, nid, eff.to, eff.msg)
-            elif kind is SetTimer:
+            elif isinstance(eff, SetTimer):
                 tkey = (nid, eff.key)
                 old = self._timers.get(tkey)
                 if old is not None:
                     engine.cancel(old)
                 self._timers[tkey] = engine.schedule(eff.at, self._fire, nid, eff.key)
-            elif kind is CancelTimer:
+            elif isinstance(eff, CancelTimer):
                 old = self._timers.pop((nid, eff.key), None)
                 if old is not None:
                     engine.cancel(old)
+            else:
+                assert_never(eff)  # raises on an effect a router may not return
 
     def _receive(self, src: NodeId, dst: NodeId, msg: Message) -> None:
         if dst not in self.dead:

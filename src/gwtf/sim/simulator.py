@@ -20,14 +20,15 @@ import gc
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, assert_never
 
 from gwtf.flow.instance import Instance
-from gwtf.protocol.base import CancelTimer, Message, Send, SetTimer
+from gwtf.protocol.base import CancelTimer, Log, Message, Send, SetTimer
 from gwtf.protocol.core import NodeCore
 from gwtf.protocol.invariants import InvariantChecker
+from gwtf.protocol.kinds import DISK_KINDS, ComputeKind, RecordName
 from gwtf.protocol.ledger import TrainParams
-from gwtf.protocol.messages import Compute, Record
+from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 from gwtf.protocol.systems import System, build_core, get_system
 from gwtf.protocol.view import Roster
@@ -36,9 +37,6 @@ from gwtf.sim.engine import Engine
 from gwtf.sim.metrics import Metrics
 from gwtf.sim.models import ComputeModel, LinkWindow, NetworkModel
 from gwtf.sim.scenario import Fault, ScenarioConfig, build
-
-DISK_JOBS = frozenset({"load_checkpoint", "read_checkpoint", "store_checkpoint"})
-"""Computes that read or write a checkpoint: charged their bytes at the disk's bandwidth."""
 
 
 class Simulator:
@@ -124,31 +122,33 @@ class Simulator:
 
     # ---- effects -----------------------------------------------------------------------
 
-    def _apply(self, node: str, effects: list[Any]) -> None:
+    def _apply(self, node: str, effects: list[Effect]) -> None:
         now = self.engine.now
         for e in effects:
-            t = type(e)
-            if t is Send:
+            if isinstance(e, Send):
                 self._send(node, e.to, e.msg, now)
-            elif t is SetTimer:  # one pending timer per (node, key): a new one replaces it
+            elif isinstance(e, SetTimer):  # one pending timer per (node, key): a new one replaces it
                 key = (node, e.key)
                 old = self.timers.get(key)
                 if old is not None:
                     self.engine.cancel(old)
                 self.timers[key] = self.engine.schedule(e.at, self._fire, node, e.key)
-            elif t is CancelTimer:
+            elif isinstance(e, CancelTimer):
                 old = self.timers.pop((node, e.key), None)
                 if old is not None:
                     self.engine.cancel(old)
-            elif t is Compute:
-                if e.kind == "step":
+            elif isinstance(e, Compute):
+                if e.kind == ComputeKind.STEP:
                     self.pending_steps += 1
-                size = e.size_bytes if e.kind in DISK_JOBS else 0
+                size = e.size_bytes if e.kind in DISK_KINDS else 0  # checkpoint reads/writes: disk bandwidth
                 start, end = self.compute.schedule(node, e.flops, size, now)
                 self.engine.schedule(end, self._compute_done, node, e, end - start)
-            elif t is Record:
+            elif isinstance(e, Record):
                 self._record(node, e, now)
-            # Log and FreeIteration: nothing to do (no tensors in the simulator)
+            elif isinstance(e, (Log, FreeIteration)):
+                pass  # nothing to do: the simulator keeps no log and no tensors
+            else:
+                assert_never(e)  # raises on an effect type this driver does not know
         core = self.cores.get(node)
         if core is not None and not core.alive:
             self._remove(node, now, crashed=False)
@@ -191,7 +191,7 @@ class Simulator:
         if core is None:
             return
         self.metrics.on_job(node, job.kind, job.mb, dur_s)
-        if job.kind == "step":
+        if job.kind == ComputeKind.STEP:
             self.pending_steps -= 1
         self._apply(node, core.on_compute_done(job.job_id, self.engine.now))
 
@@ -199,15 +199,15 @@ class Simulator:
         f = dict(rec.fields)
         self.checker.on_record(now, node, rec.event, f)
         self.metrics.on_record(now, node, rec.event, f)
-        if rec.event == "iteration_done":
+        if rec.event == RecordName.ITERATION_DONE:
             self._iterations_done += 1
             if self.on_iteration is not None:
                 self.on_iteration(self._iterations_done, now)
-        elif rec.event == "training_done":
+        elif rec.event == RecordName.TRAINING_DONE:
             self.finished = True
-        elif rec.event == "stage_lost":
+        elif rec.event == RecordName.STAGE_LOST:
             self.stage_lost = True
-        elif rec.event == "rollback":
+        elif rec.event == RecordName.ROLLBACK:
             self.stage_lost = False
         for fault, seen in self.triggers:
             if fault.after_event == rec.event and (not fault.node or fault.node == node):
@@ -220,7 +220,7 @@ class Simulator:
     def _remove(self, node: str, now: float, crashed: bool) -> None:
         if node not in self.cores:
             return
-        self.pending_steps -= sum(1 for j in self.cores[node].jobs.values() if j[0] == "step")
+        self.pending_steps -= sum(1 for j in self.cores[node].jobs.values() if j[0] == ComputeKind.STEP)
         del self.cores[node]
         self.dead_at[node] = now if crashed else max(now, self.net.uplink_free_s.get(node, now))
         self.checker.on_dead(node, now)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, assert_never
 
 from gwtf.config import FlowConfig, ProtocolConfig
-from gwtf.protocol.base import CancelTimer, Message, Send, SetTimer
+from gwtf.protocol.base import CancelTimer, Log, Message, Send, SetTimer
 from gwtf.protocol.core import NodeCore
 from gwtf.protocol.ledger import TrainParams
-from gwtf.protocol.messages import Compute, Record
+from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.systems import build_core, get_system
 
@@ -58,7 +58,7 @@ class Harness:
         for p in self.peers:
             self.apply(p.id, self.cores[p.id].on_start(self.start_s, self.peers))
 
-    def apply(self, node: str, effects: list[Any]) -> None:
+    def apply(self, node: str, effects: list[Effect]) -> None:
         for e in effects:
             if isinstance(e, Send):
                 self.sent.append((node, e.to, e.msg))
@@ -76,6 +76,10 @@ class Harness:
                 self._push(start + 0.1, "compute", node, e.job_id)
             elif isinstance(e, Record):
                 self.records.append((self.now, node, e.event, dict(e.fields)))
+            elif isinstance(e, (Log, FreeIteration)):
+                pass
+            else:
+                assert_never(e)
 
     def crash(self, node: str) -> None:
         self.cores.pop(node, None)

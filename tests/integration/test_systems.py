@@ -1,0 +1,76 @@
+"""The systems of `gwtf.protocol.systems` in real node processes: what the simulator runs, the
+runtime runs (issue 15).
+
+Cases: the SWARM baseline (`protocol.system="swarm"`: stochastic wiring, bans, restarts of a
+microbatch whose backward lost a node) trains over TCP under `--churn high` with the short
+timeouts, and its ledger is clean; with rebalancing on, a lopsided swarm (three replicas of stage 1,
+one of stage 2) moves a relay to stage 2 in real processes, under gwtf's rule and under SWARM's:
+the mover leaves, downloads stage 2's state through the join path, serves it, and steps with the
+same weights as the replica it joined.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_churn import (
+    DEMO_SHAPE,
+    DEMO_TIMEOUTS,
+    LONG,
+    _done,
+    _events,
+    _finish_clean,
+    _joiners,
+    _records,
+    _run_on,
+    _served,
+    _swarm,
+    _until,
+)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_swarm_baseline_trains_over_tcp_under_high_churn(tmp_path: Path) -> None:
+    iterations = 40
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, *DEMO_SHAPE, 'protocol.system="swarm"', "train.seed=5",
+                              f"train.iterations={iterations}"), "high")
+    with swarm:
+        swarm.start()
+        _finish_clean(swarm, iterations, 200.0)
+        joiners = _joiners(swarm)
+        assert swarm.crashes >= 3 and len(joiners) == swarm.crashes, (swarm.crashes, [p.name for p in joiners])
+        idle = [p.name for p in joiners if not _served(swarm, p.name)]
+        assert not idle, f"joiners that never served: {idle}\n{swarm.log_tails()}"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("system", ["gwtf", "swarm"])
+def test_a_lopsided_swarm_moves_a_relay_to_the_bottleneck_stage(tmp_path: Path, system: str) -> None:
+    period = ("protocol.rebalance_period_s=4.0", "protocol.swarm_rebalance_period_s=4.0",
+              "protocol.rebalance_min_gain=0.02")
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, *DEMO_SHAPE, f'protocol.system="{system}"', *period, LONG),
+                   replicas=1)
+    with swarm:
+        swarm.start()
+        extra = [swarm.join_node("1"), swarm.join_node("1")]  # stage 1: three replicas, stage 2: one
+        _until(swarm, lambda: all(_served(swarm, p.name) for p in extra) or bool(_events(swarm, "stage_move"))
+               or bool(_events(swarm, "swarm_move")), 60.0, "the stage-1 joiners serving")
+        event = "stage_move" if system == "gwtf" else "swarm_move"
+        _until(swarm, lambda: bool(_events(swarm, event)), 60.0, f"a {event}")
+        moves = _events(swarm, event)
+        mover, move = moves[0]
+        assert (int(move["stage"]), int(move["to"])) == (1, 2), moves
+
+        def serves_stage_2() -> bool:
+            return any(r.get("event") == "contribute" and int(r["stage"]) == 2 for r in _records(swarm, mover))
+
+        _until(swarm, serves_stage_2, 60.0, f"{mover} serving stage 2")
+        _run_on(swarm, 3, 40.0)
+        last = _done(swarm) - 1
+        steps = {str(r["hash"]) for name in ("r2a", mover) for r in _records(swarm, name)
+                 if r.get("event") == "stepped" and r["iteration"] == last and int(r["stage"]) == 2}
+        assert len(steps) == 1, steps  # the mover and stage 2's replica hold the same weights
+        assert len(moves) == 1, moves  # balanced after one move: no back-and-forth
