@@ -13,6 +13,9 @@ few overrides:
   protocol's own cost;
 - `view-32` / `all-peers`: routers see ~32 peers of each neighbouring stage / all of them
   (`protocol.view_size`, docs/protocol.md "Bounded views"; both scale scenarios ship with 32).
+`--rev REV` (e.g. `--rev HEAD~5`) also runs every variant on that git revision's code (exported
+to a temporary folder, on PYTHONPATH), alternating old and new, so a refactoring's effect on
+simulator speed is measured side by side in one run (`old/new` rows).
 Ratios are against the first variant. The machine may be shared: compare within one run.
 """
 
@@ -20,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,10 +54,20 @@ print(json.dumps({"events": summary["events"], "wall_s": wall, "cpu_s": cpu,
 """
 
 
-def run_variant(scenario: str, iterations: int, seed: int, extra: list[str]) -> dict[str, float]:
+def run_variant(scenario: str, iterations: int, seed: int, extra: list[str], src: Path | None = None) -> dict[str, float]:
     cmd = [sys.executable, "-c", CHILD, scenario, str(seed), f"train.iterations={iterations}", *extra]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    env = dict(os.environ, PYTHONPATH=str(src or ROOT / "src"))
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def export_rev(rev: str, into: Path) -> Path:
+    """`git archive` of rev's src/ into `into`; returns its src folder."""
+    tar = into / "src.tar"
+    subprocess.run(["git", "archive", "--format=tar", "-o", str(tar), rev, "src"], check=True, cwd=ROOT)
+    with tarfile.open(tar) as t:
+        t.extractall(into, filter="data")
+    return into / "src"
 
 
 def main() -> None:
@@ -60,16 +76,23 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--variants", default="scenario,fixed-tick,greedy")
+    ap.add_argument("--rev", default="", help="also run every variant on this git revision's code")
     args = ap.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         sys.exit(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     rows = []
-    for name in names:
-        r = run_variant(args.scenario, args.iterations, args.seed, VARIANTS[name])
-        rows.append((name, r))
-        print(f"  {name}: {r['events']:,} events in {r['wall_s']:.1f} s", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        old = export_rev(args.rev, Path(tmp)) if args.rev else None
+        for name in names:
+            codes: list[tuple[str, Path | None]] = [(name, None)]
+            if old is not None:
+                codes = [(f"{name} ({args.rev})", old), (f"{name} (working tree)", None)]
+            for label, src in codes:
+                r = run_variant(args.scenario, args.iterations, args.seed, VARIANTS[name], src)
+                rows.append((label, r))
+                print(f"  {label}: {r['events']:,} events in {r['wall_s']:.1f} s", file=sys.stderr)
     base = rows[0][1]
     print(f"\n{Path(args.scenario).name}, seed {args.seed}, {args.iterations} iterations\n")
     print("| variant | events | wall s | CPU s | events/s (CPU) | virtual s | peak RSS GB | violations | wall ratio |")

@@ -29,8 +29,9 @@ from typing import Any
 
 from gwtf.protocol.base import IdentityMemo, NodeId, log
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.ledger import NONE, CoreState, Effect
+from gwtf.protocol.ledger import CoreState, Effect
 from gwtf.protocol.messages import (
+    NONE,
     Collect,
     Commit,
     Compute,

@@ -103,7 +103,7 @@ def fast_init(cls: T) -> T:
     positional: list[str] = []
     keyword: list[str] = []
     body: list[str] = []
-    for i, f in enumerate(dataclasses.fields(cls)):  # type: ignore[arg-type]
+    for i, f in enumerate(dataclasses.fields(cls)):
         if not f.init or f.default_factory is not dataclasses.MISSING:
             raise TypeError(f"fast_init: {cls.__name__}.{f.name} needs the dataclass __init__")
         slot = next(c.__dict__[f.name] for c in cls.__mro__ if f.name in c.__dict__)
@@ -117,10 +117,11 @@ def fast_init(cls: T) -> T:
     params = ", ".join(["self", *positional, *(["*", *keyword] if keyword else [])])
     exec(f"def __init__({params}):\n" + "\n".join(body or ["    pass"]), namespace)
     init = namespace["__init__"]
-    if _signature(init) != _signature(cls.__init__):  # e.g. an InitVar the fields do not show
+    generated = cls.__dict__["__init__"]  # the dataclass's own
+    if _signature(init) != _signature(generated):  # e.g. an InitVar the fields do not show
         raise TypeError(f"fast_init: {cls.__name__}'s fields do not give its __init__'s signature")
     init.__qualname__ = f"{cls.__qualname__}.__init__"
-    init.__doc__ = cls.__init__.__doc__
+    init.__doc__ = generated.__doc__
     cls.__init__ = init  # type: ignore[misc]
     return cls
 

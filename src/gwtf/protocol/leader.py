@@ -19,9 +19,10 @@ from enum import StrEnum
 from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId, log
 from gwtf.protocol.kinds import RecordName
-from gwtf.protocol.ledger import NONE, CoreState, Effect
+from gwtf.protocol.ledger import CoreState, Effect
 from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, from_tuple, to_tuple
 from gwtf.protocol.messages import (
+    NONE,
     Collect,
     Commit,
     Have,
@@ -100,7 +101,7 @@ class LeaderMixin(CoreState):
         self.lead = LeaderState(term=self.term, t=self.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
                                 round=max(last, seen) + (ROUND_GAP if recovering else 0), stalled_log_s=now,
                                 started_s=now)
-        self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}  # type: ignore[misc]
+        self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}
         if recovering:
             return self._broadcast(Collect(term=self.term, iteration=self.lead.t, leader=self.me.id), include_self=True)
         return self.start_iteration(self.lead.t, now)
@@ -175,7 +176,7 @@ class LeaderMixin(CoreState):
             horizon = now - self.cfg.evict_after_s
             for j in sorted(self.lead.waiting):
                 info, version = self.lead.ready.get(j, (None, NONE))
-                heard = self.last_hb.get(j)  # type: ignore[attr-defined]
+                heard = self.last_hb.get(j)
                 if info is not None and heard is not None and heard >= horizon and self.lead.phase == Phase.PAUSED \
                         and j not in self.directory:
                     self.lead.waiting.discard(j)
@@ -372,7 +373,7 @@ class LeaderMixin(CoreState):
             return []
         self.lead.reassigned.pop(sender, None)
         self.pending_joiners.discard(sender)  # type: ignore[attr-defined]
-        self.last_hb[sender] = now  # type: ignore[attr-defined]
+        self.last_hb[sender] = now
         if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):
             return self._activate(sender, from_tuple(msg.peer), now, msg.version)
         if self.lead.phase == Phase.ADMIT and msg.version == self.lead.t:

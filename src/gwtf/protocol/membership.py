@@ -26,8 +26,9 @@ from typing import Any
 
 from gwtf.protocol.base import NodeId, log
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.ledger import NONE, CoreState, Effect, Leg, Origin
+from gwtf.protocol.ledger import CoreState, Effect, Leg, Origin
 from gwtf.protocol.messages import (
+    NONE,
     Compute,
     Evicted,
     Heartbeat,

@@ -282,7 +282,7 @@ class TrainingMixin(CoreState):
                 return []
             return self._resend(o, now)
         if kind == ComputeKind.FORWARD:
-            return self._forward_done(ref, now)  # type: ignore[arg-type]
+            return self._forward_done(ref, now)
         if kind == ComputeKind.LOSS:
             mb, path, legs, lgrad = ref
             o = self.origins.get(mb)
