@@ -120,3 +120,25 @@ def test_rebalancing_moves_a_relay_to_the_bottleneck_stage_and_training_stays_co
     assert mover.active and mover.me.stage == moves[0]["to"]
     # it downloaded the target stage's state before serving (the move's cost)
     assert mover.version == sc.train.iterations
+
+
+def test_swarm_as_released_never_rebalances() -> None:
+    """The two SWARM variants of docs/baselines.md: the paper's (rebalancing every T) and the
+    released code's (none), on the same unbalanced instance as the test above."""
+    sc = _scenario(["protocol.swarm_rebalance_period_s=20", "train.iterations=20"])
+    plans: dict[str, int] = {}
+    for name in ("swarm", "swarm-released"):
+        sim = Simulator(sc, 0, get_system(name, sc.protocol))
+        record = sim._record
+        seen = [0]
+
+        def on_record(node: str, rec: Record, now: float, seen: list[int] = seen, record: Any = record) -> None:
+            if rec.event in ("rebalance", "swarm_move"):
+                seen[0] += 1
+            record(node, rec, now)
+
+        sim._record = on_record  # type: ignore[method-assign]
+        summary = sim.run()
+        assert summary["finished"] and summary["invariant_violations"] == 0, (name, summary["violations"])
+        plans[name] = seen[0]
+    assert plans["swarm"] > 0 and plans["swarm-released"] == 0, plans

@@ -9,7 +9,8 @@ wiring, bans and restarts are effects every driver carries out.
 
 "gwtf" runs `GwtfCore` (rebalancing, PAPER.md 3.5) when `protocol.rebalance_period_s` > 0, else
 plain `NodeCore`; "swarm" runs `SwarmCore` with SWARM's policy (restart a microbatch whose
-backward lost a node) and router. Importing this module registers every message type of every
+backward lost a node), router and the paper's rebalancing every `swarm_rebalance_period_s`;
+"swarm-released" is SWARM as its released code runs, without rebalancing. Importing this module registers every message type of every
 system (`protocol.base.MESSAGE_TYPES`), so a node's wire codec decodes them all whichever
 system it runs (a lazily imported `StageMove` was once refused as "unknown type").
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gwtf.config import FlowConfig, ProtocolConfig
@@ -68,7 +69,14 @@ def _swarm(protocol: ProtocolConfig) -> System:
     return System("swarm", SWARM_POLICY, _swarm_router, SwarmCore)
 
 
-SYSTEMS: dict[str, Callable[[ProtocolConfig], System]] = {"gwtf": _gwtf, "swarm": _swarm}
+def _swarm_released(protocol: ProtocolConfig) -> System:
+    """SWARM as its released code runs: no rebalancing (the paper describes it; the code has none)."""
+    return System("swarm-released", replace(SWARM_POLICY, name="swarm-released", rebalance_every=0),
+                  _swarm_router, SwarmCore)
+
+
+SYSTEMS: dict[str, Callable[[ProtocolConfig], System]] = {
+    "gwtf": _gwtf, "swarm": _swarm, "swarm-released": _swarm_released}
 
 
 def register_system(name: str, factory: Callable[[ProtocolConfig], System]) -> None:
