@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "gwtf"
 DOC = ROOT / "docs" / "architecture.md"
-PURE = ("flow", "protocol", "sim", "config", "errors", "model.presets", "model.partition")
+PURE = ("flow", "protocol", "sim", "config", "errors", "ids", "model.presets", "model.partition")
 NO_IO = {"torch", "asyncio", "socket", "threading", "time", "selectors", "subprocess", "multiprocessing"}
 
 
@@ -94,14 +94,15 @@ def _imports(path: Path) -> set[str]:
 
 
 def _matches(imported: str, entry: str) -> bool:
+    top = imported.split(".")[0]
     if entry == "stdlib":
-        return imported.split(".")[0] in sys.stdlib_module_names and not imported.startswith(_GWTF_TOPS)
+        return top in sys.stdlib_module_names and top not in _GWTF_TOPS
     if entry == "gwtf":
-        return imported.startswith(_GWTF_TOPS)
+        return top in _GWTF_TOPS
     return imported == entry or imported.startswith(entry + ".")
 
 
-_GWTF_TOPS = tuple(sorted({p.name.removesuffix(".py") for p in SRC.iterdir() if not p.name.startswith("_")}))
+_GWTF_TOPS = frozenset(p.name.removesuffix(".py") for p in SRC.iterdir() if not p.name.startswith("_"))
 
 
 def _modules() -> list[Path]:
@@ -138,3 +139,32 @@ def test_the_check_catches_a_violation(tmp_path: Path) -> None:
         assert any(_matches(bad, e) for e in row.may_not) or not any(_matches(bad, e) for e in row.may or ()), bad
     assert any(_matches("sim", e) for e in _row_of("runtime.node").may_not)
     assert _matches("dataclasses", "stdlib") and not _matches("numpy", "stdlib")
+
+
+def test_no_cycle_between_the_rows() -> None:
+    """The rows' import graph is acyclic (a row's modules may import each other): e.g. `flow`
+    names nodes through `ids`, so `flow` and `protocol` do not import each other."""
+    rows = {id(r): r for r in ROWS}
+    edges: dict[int, set[int]] = {k: set() for k in rows}
+    for path in _modules():
+        module = _module_name(path)
+        if module == "gwtf":
+            continue
+        src = id(_row_of(module))
+        for imported in _imports(path):
+            if imported.split(".")[0] in _GWTF_TOPS:
+                edges[src].add(id(_row_of(imported)))
+    seen: dict[int, int] = {}  # 1: on the stack, 2: done
+
+    def visit(k: int, trail: list[str]) -> None:
+        seen[k] = 1
+        for j in sorted(edges[k] - {k}):
+            names = "/".join(rows[j].names)
+            assert seen.get(j) != 1, f"import cycle: {' -> '.join([*trail, names])}"
+            if j not in seen:
+                visit(j, [*trail, names])
+        seen[k] = 2
+
+    for k in rows:
+        if k not in seen:
+            visit(k, ["/".join(rows[k].names)])

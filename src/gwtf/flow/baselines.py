@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gwtf.flow.instance import Instance, Route
-from gwtf.protocol.base import NodeId
+from gwtf.ids import NodeId
 
 
 def _dh_limits(instance: Instance) -> dict[NodeId, int]:

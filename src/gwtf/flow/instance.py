@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from gwtf.flow.cost import edge_cost_s, route_cost_s
 from gwtf.flow.network import Network
-from gwtf.protocol.base import NodeId
+from gwtf.ids import NodeId
 
 Route = tuple[NodeId, ...]
 

@@ -32,7 +32,7 @@ from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from gwtf.flow.instance import Instance, Route, RouteStats, evaluate_routes
-from gwtf.protocol.base import NodeId
+from gwtf.ids import NodeId
 
 EXACT_MAX_NODES = 60
 EXACT_PATH_LIMIT = 20_000

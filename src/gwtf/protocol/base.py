@@ -25,8 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
-NodeId = str
-"""A node's id: unique in the swarm, stable for the node's life (a rejoin gets a new id)."""
+from gwtf.ids import NodeId as NodeId  # the shared vocabulary (a leaf module)
 
 M = TypeVar("M", bound="type[Message]")
 T = TypeVar("T", bound=type)
