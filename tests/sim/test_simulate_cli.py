@@ -12,7 +12,7 @@ from gwtf.cli import main
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "scenarios" / "smoke.toml"
 FIELDS = ("training_time_s", "iterations", "throughput_microbatches_per_s", "gpu_waste_fraction",
-          "microbatches_dropped", "invariant_violations")
+          "discarded_fraction", "idle_fraction", "microbatches_dropped", "invariant_violations")
 
 
 def _simulate(out: Path, seed: int) -> dict[str, dict[str, float]]:

@@ -6,6 +6,8 @@ Node ids are "n0".."n{N-1}"; data holders come first (stage 0), then relays, spr
 Regions are uniform over the network's regions, profiles come from `flow.profiles` (seeded mix),
 c_i = the stage's fwd+bwd FLOPs per microbatch / the profile's effective FLOP/s, capacity from the
 memory model (or drawn uniformly from `relay_capacity` when given, as the authors' prototype does).
+Scenario knobs: `flops_scale` multiplies every node's FLOP/s (c_i / scale), `bandwidth_scale` every
+link's bandwidth (after the jitter); at 1.0 neither touches a number.
 
 Default data-holder demand: the total is 1.2x the smallest relay stage's capacity, split evenly,
 so demand is not trivially the bottleneck. Only `random.Random(seed)` is used: same arguments,
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 from gwtf.config import ModelConfig
 from gwtf.errors import UserError
@@ -73,6 +76,8 @@ def generate_instance(
     relay_capacity: tuple[int, int] | None = None,
     mix: Sequence[tuple[str, float]] = DEFAULT_MIX,
     jitter_fraction: float = 0.0,
+    flops_scale: float = 1.0,
+    bandwidth_scale: float = 1.0,
 ) -> Instance:
     """A seeded heterogeneous instance; see the module docstring for every rule.
 
@@ -80,12 +85,16 @@ def generate_instance(
         cap_max: relay capacity clamp (memory model); dh_cap_max: the same for data holders.
         relay_capacity: (lo, hi) to draw relay capacities uniformly instead of the memory model.
         jitter_fraction: per-link multiplicative noise on the network (0 = the table as is).
+        flops_scale: multiplies every node's effective FLOP/s; bandwidth_scale: every link's bandwidth.
 
     Raises:
         UserError: S < 2, no data holder, a stage with no node, unknown network/model/preset,
-            or a bad capacity range.
+            a bad capacity range, or a scale that is not a finite number > 0.
     """
     _check_shape(n_nodes, stages, data_holders)
+    for name, scale in (("flops_scale", flops_scale), ("bandwidth_scale", bandwidth_scale)):
+        if not (math.isfinite(scale) and scale > 0):
+            raise UserError(f"{name} must be a finite number > 0, got {scale}")
     if min(cap_max, dh_cap_max) < 1:
         raise UserError(f"cap_max and dh_cap_max must be >= 1, got {cap_max} and {dh_cap_max}")
     if relay_capacity is not None and not 1 <= relay_capacity[0] <= relay_capacity[1]:
@@ -94,6 +103,8 @@ def generate_instance(
     net = load_network(network) if isinstance(network, str) else network
     if jitter_fraction > 0.0:
         net = perturb_network(net, rng, jitter_fraction)
+    if bandwidth_scale != 1.0:
+        net = _scale_bandwidth(net, bandwidth_scale)
     cfg = ModelConfig(family=model, preset=preset, seq_len=seq_len,  # type: ignore[arg-type]
                       microbatch_size=microbatch_size, stages=stages)
     spec = model_spec(cfg, vocab_size)
@@ -103,6 +114,8 @@ def generate_instance(
                    dh_cap_max if stage == 0 else cap_max, relay_capacity, mix, rng)
         for k, stage in enumerate(node_stages)
     ]
+    if flops_scale != 1.0:
+        nodes = [replace(n, compute_s=n.compute_s / flops_scale) for n in nodes]
     demand = demand_per_dh if demand_per_dh is not None else _default_demand(nodes, stages, data_holders)
     if demand < 1:
         raise UserError(f"demand_per_dh must be >= 1, got {demand}")
@@ -133,6 +146,13 @@ def _make_node(
         id=nid, stage=stage, region=region, profile=profile.name,
         compute_s=compute_seconds(profile, spec, stage, stages, microbatch_size), capacity=capacity,
     )
+
+
+def _scale_bandwidth(net: Network, scale: float) -> Network:
+    """Every link's bandwidth (same-region ones too) times `scale`."""
+    return replace(net, bandwidth_matrix_bytes_per_s=tuple(tuple(x * scale for x in row)
+                                                           for row in net.bandwidth_matrix_bytes_per_s),
+                   source=f"{net.source} (bandwidth x {scale})")
 
 
 def _default_demand(nodes: Sequence[NodeSpec], stages: int, data_holders: int) -> int:

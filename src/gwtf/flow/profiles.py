@@ -1,8 +1,9 @@
 """Node compute profiles: heterogeneous GPU classes, their speed, memory, and microbatch capacity.
 
 Owns: `ComputeProfile` (peak 16-bit tensor FLOP/s, an assumed MFU, memory), `PROFILES` (named
-classes), `DEFAULT_MIX` (a seeded volunteer mix), `draw_profile`, and the memory model that turns a
-profile and a stage into a capacity in microbatches:
+classes), `DEFAULT_MIX` (a seeded volunteer mix), `NAMED_MIXES` and `resolve_mix` (a scenario's
+`nodes.gpu_mix`: a name or explicit (profile, share) pairs), `draw_profile`, and the memory model
+that turns a profile and a stage into a capacity in microbatches:
 
     capacity = clamp(floor((memory - resident state - overhead) / per-microbatch memory), 1, cap_max)
 
@@ -21,6 +22,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gwtf.errors import UserError
 from gwtf.model.partition import partition_layers
@@ -62,6 +64,39 @@ PROFILES: dict[str, ComputeProfile] = {
 DEFAULT_MIX: tuple[tuple[str, float], ...] = (
     ("a100", 0.15), ("rtx4090", 0.20), ("rtx3090", 0.25), ("v100", 0.20), ("t4", 0.20),
 )
+
+NAMED_MIXES: dict[str, tuple[tuple[str, float], ...]] = {
+    "default": DEFAULT_MIX,
+    "uniform": (("a100", 1.0),),  # every node the same GPU
+    "half-slow": (("a100", 0.5), ("t4", 0.5)),  # "uniform" with half of its GPUs ~6x slower
+}
+
+
+def resolve_mix(mix: str | Sequence[Any], key: str = "gpu_mix") -> tuple[tuple[str, float], ...]:
+    """A named mix (`NAMED_MIXES`) or explicit [[profile, share], ...] -> (profile, share) pairs.
+
+    Shares are relative weights (they need not sum to 1). Raises UserError naming `key` for an
+    unknown name or profile, a malformed pair, a negative or non-finite share, or no positive share.
+    """
+    if isinstance(mix, str):
+        if mix not in NAMED_MIXES:
+            raise UserError(f"{key}: unknown mix {mix!r} (known: {', '.join(NAMED_MIXES)}, or [[profile, share], ...])")
+        return NAMED_MIXES[mix]
+    out: list[tuple[str, float]] = []
+    for i, pair in enumerate(mix):
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str) \
+            and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
+        if not ok:
+            raise UserError(f"{key}[{i}]: expected [profile, share], got {pair!r}")
+        name, share = pair[0], float(pair[1])
+        if name not in PROFILES:
+            raise UserError(f"{key}[{i}]: unknown compute profile {name!r} (known: {', '.join(PROFILES)})")
+        if not (math.isfinite(share) and share >= 0):
+            raise UserError(f"{key}[{i}]: share must be a finite number >= 0, got {pair[1]!r}")
+        out.append((name, share))
+    if not any(share > 0 for _, share in out):
+        raise UserError(f"{key}: needs at least one profile with a share > 0")
+    return tuple(out)
 
 
 def draw_profile(rng: random.Random, mix: Sequence[tuple[str, float]] = DEFAULT_MIX) -> ComputeProfile:

@@ -8,7 +8,13 @@ Owns: `Metrics`, fed by the simulator with Records, compute jobs and churn event
   entered an applied step (crashed replica, reset duplicate, rerouted original, rolled-back
   iteration); iterations unfinished when the run stops are left out of both;
 - available_s: seconds each active node was alive during the run; idle_s = available - busy;
-- gpu_waste_fraction = (discarded_s + idle_s) / available_s; discarded_fraction = discarded_s / busy_s.
+- shares of available_s: discarded_fraction = discarded_s / available_s (compute thrown away by
+  recovery: the paper's "waste"), idle_fraction = idle_s / available_s (GPUs waiting, mostly
+  for the network), and gpu_waste_fraction = their sum (kept: a summary.json contract);
+  discarded_busy_fraction = discarded_s / busy_s of finished iterations (the share of the
+  compute done that was thrown away).
+Seconds are rounded to 9 significant digits and fractions to 6, never to fixed decimals: a tiny
+model computes for milliseconds, and 3 decimals rounded its discarded_s to 0.0.
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -22,6 +28,11 @@ from gwtf.protocol.kinds import RecordName as R
 COUNTED = frozenset({R.REROUTE, R.REDO, R.MB_RESTART, R.RESET, R.ABANDONED, R.EVICT, R.JOIN, R.DUP_RETURN,
                      R.MB_INCOMPLETE, R.CHAIN_FAILED, R.LEADER_TAKEOVER, R.STAGE_LOST, R.SELF_STOP})
 """Records the summary counts, one counter each (a redo by its mode: redo_inflight, redo_aggregation)."""
+
+
+def _sig(x: float, digits: int) -> float:
+    """`x` rounded to `digits` significant digits."""
+    return float(f"{x:.{digits}g}")
 
 
 class Metrics:
@@ -132,6 +143,7 @@ class Metrics:
         discarded = self.discarded_s
         busy = max(self.busy_s - unfinished, 1e-12)
         idle = max(0.0, self.available_s - self.busy_s)
+        avail = self.available_s
         recovery = self._recovery()
         return {
             "training_time_s": round(training_time, 3),
@@ -142,12 +154,14 @@ class Metrics:
             "throughput_microbatches_per_s": round(self.microbatches / training_time, 6) if training_time else 0.0,
             "throughput_tokens_per_s": round(self.microbatches * self.tokens_per_mb / training_time, 3)
             if training_time else 0.0,
-            "busy_s": round(self.busy_s, 3),
-            "discarded_s": round(discarded, 3),
-            "idle_s": round(idle, 3),
-            "available_s": round(self.available_s, 3),
-            "discarded_fraction": round(discarded / busy, 6),
-            "gpu_waste_fraction": round((discarded + idle) / self.available_s, 6) if self.available_s else 0.0,
+            "busy_s": _sig(self.busy_s, 9),
+            "discarded_s": _sig(discarded, 9),
+            "idle_s": _sig(idle, 9),
+            "available_s": _sig(avail, 9),
+            "discarded_fraction": _sig(discarded / avail, 6) if avail else 0.0,
+            "idle_fraction": _sig(idle / avail, 6) if avail else 0.0,
+            "gpu_waste_fraction": _sig((discarded + idle) / avail, 6) if avail else 0.0,
+            "discarded_busy_fraction": _sig(discarded / busy, 6),
             "recovery_time_mean_s": round(sum(recovery) / len(recovery), 3) if recovery else 0.0,
             "recovery_time_max_s": round(max(recovery), 3) if recovery else 0.0,
             "crashes": len(self.crash_times),

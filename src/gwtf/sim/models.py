@@ -5,7 +5,10 @@ Owns:
   (a node's outgoing tensor bytes serialise on its uplink, FIFO) + bytes / bandwidth(a, b) +
   latency(a, b), from the Instance's region tables; control messages (no tensor) interleave at
   packet level and skip the queue; link instability windows (latency x factor, bandwidth /
-  factor, or cut) apply at send time;
+  factor, or cut) apply at send time; with a downlink (`nodes.downlink_bytes_per_s` > 0) a
+  tensor message then takes its turn on b's downlink, a FIFO: its bytes enter no earlier than
+  its first byte arrives and after the message before it, take bytes / downlink, and the message
+  arrives when both its link transfer and its downlink turn are done (0 = no downlink step);
 - `ComputeModel`: one FIFO compute queue per node; duration = Compute.flops / node speed (speed
   = the stage's FLOPs per microbatch / the node's c_i) x seeded multiplicative jitter, or
   bytes / checkpoint bandwidth for state and checkpoint transfers.
@@ -35,13 +38,15 @@ class LinkWindow:
 
 
 class NetworkModel:
-    """Latency + serialisation on the sender's uplink; per-link instability windows."""
+    """Latency + serialisation on the sender's uplink (+ the receiver's downlink); instability windows."""
 
-    def __init__(self, network: Network, control_bytes: int) -> None:
+    def __init__(self, network: Network, control_bytes: int, downlink_bytes_per_s: float = 0.0) -> None:
         self.network = network
         self.control_bytes = control_bytes
+        self.downlink_bytes_per_s = downlink_bytes_per_s
         self.region: dict[str, int] = {}
         self.uplink_free_s: dict[str, float] = {}
+        self.downlink_free_s: dict[str, float] = {}
         self.windows: dict[tuple[str, str], list[LinkWindow]] = {}
         n = len(network.regions)
         self._lat = [[network.latency_matrix_s[i][j] for j in range(n)] for i in range(n)]
@@ -86,7 +91,19 @@ class NetworkModel:
         free, done, arrival = uplink_send(self.uplink_free_s.get(a, now), now, lat, bw, payload_bytes,
                                           self.control_bytes)
         self.uplink_free_s[a] = free
+        if self.downlink_bytes_per_s > 0:  # its first byte reached b one serialisation before the last
+            size = payload_bytes + self.control_bytes
+            arrival = self._downlink(b, size, arrival - size / bw, arrival)
         return done, arrival
+
+    def _downlink(self, b: str, size_bytes: int, first_byte_s: float, link_arrival_s: float) -> float:
+        """b's downlink FIFO: the message's turn starts when its first byte is in and the previous
+        message's turn is over, and takes size / downlink; arrival = the later of its end and the
+        link's own arrival."""
+        start = max(first_byte_s, self.downlink_free_s.get(b, first_byte_s))
+        end = start + size_bytes / self.downlink_bytes_per_s
+        self.downlink_free_s[b] = end
+        return max(end, link_arrival_s)
 
 
 class ComputeModel:

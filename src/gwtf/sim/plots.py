@@ -5,8 +5,10 @@ Owns: `RunPlotData` (one system's run: summary, timeline rows, churn event times
 - `throughput.png`: microbatches per second of every iteration against time, one line per
   system, crashes (red, solid) and joins (green, dashed) marked;
 - `cumulative.png`: microbatches trained so far against time;
-- `systems.png`: one bar per system for training time, throughput and GPU waste (the discarded
-  share drawn inside the waste bar).
+- `systems.png`: one bar per system in four panels, each on its own scale: training time,
+  throughput, idle GPU time and discarded compute (both in % of the GPU time available; their
+  sum is `gpu_waste_fraction`). Discarded compute is ~100x smaller than idle time, so it gets
+  its own panel; every bar is labelled with its value, with headroom above the tallest.
 Inputs are the plain dicts `Metrics.summary()` / `timeline_rows()` return; nothing is computed
 here that the metrics do not already define.
 
@@ -24,6 +26,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.ticker  # noqa: E402
 
 COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:gray")
 
@@ -91,27 +94,49 @@ def _time_series_figure(runs: Mapping[str, RunPlotData], path: Path, series: str
     plt.close(fig)
 
 
+def _fraction(summary: Mapping[str, Any], key: str, seconds: str) -> float:
+    """A share of available GPU time; summaries from before the field existed: from the seconds."""
+    if key in summary:
+        return float(summary[key])
+    return float(summary.get(seconds, 0.0)) / max(float(summary.get("available_s", 0.0)), 1e-12)
+
+
+def _label(v: float, percent: bool) -> str:
+    if percent:
+        return f"{100 * v:.3g}%"
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def _systems_figure(runs: Mapping[str, RunPlotData], path: Path) -> None:
+    fig = systems_figure(runs)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def systems_figure(runs: Mapping[str, RunPlotData]) -> Any:
+    """The figure of systems.png (a matplotlib Figure; the caller closes it)."""
     names = list(runs)
     colors = [COLORS[i % len(COLORS)] for i in range(len(names))]
     s = [runs[n].summary for n in names]
     panels = (
-        ("training time (s)", [float(x["training_time_s"]) for x in s]),
-        ("throughput (microbatches/s)", [float(x["throughput_microbatches_per_s"]) for x in s]),
-        ("GPU waste (share of available)", [float(x["gpu_waste_fraction"]) for x in s]),
+        ("training time (s)", [float(x["training_time_s"]) for x in s], False),
+        ("throughput (microbatches/s)", [float(x["throughput_microbatches_per_s"]) for x in s], False),
+        ("idle GPU time (% of available)", [_fraction(x, "idle_fraction", "idle_s") for x in s], True),
+        ("discarded compute (% of available)", [_fraction(x, "discarded_fraction", "discarded_s") for x in s], True),
     )
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.6))
-    for ax, (title, values) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.8))
+    for ax, (title, values, percent) in zip(axes, panels, strict=True):
         ax.bar(names, values, color=colors)
         ax.set_title(title, fontsize="medium")
+        top = max(values, default=0.0)
+        ax.set_ylim(0.0, 1.2 * top if top > 0 else 1.0)  # room for the labels under the title
+        if percent:
+            ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(xmax=1.0))
         for j, v in enumerate(values):
-            ax.annotate(f"{v:.3g}", (j, v), ha="center", va="bottom", fontsize="small")
-    discarded = [float(x.get("discarded_s", 0.0)) / max(float(x.get("available_s", 0.0)), 1e-12) for x in s]
-    axes[2].bar(names, discarded, color="tab:red", alpha=0.7, label="discarded compute")
-    axes[2].legend(loc="best", fontsize="x-small")
+            ax.annotate(_label(v, percent), (j, v), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def write_plots(out_dir: str | Path, runs: Mapping[str, RunPlotData]) -> list[Path]:

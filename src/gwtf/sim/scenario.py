@@ -3,14 +3,15 @@
 Owns: the scenario dataclasses (TOML files in configs/scenarios/, loaded strictly with
 `gwtf.config.from_dict`: unknown key or bad value -> UserError naming the key), `load_scenario`
 (file + `--set` overrides), and `build` (scenario + seed -> Instance, TrainParams, per-node
-speeds). A scenario is data: nodes, model, iterations, churn rates, link instability, scripted
-faults, protocol knobs.
+speeds). A scenario is data: nodes (with the GPU mix, FLOP/s and bandwidth scales, downlink),
+model, iterations, churn rates, link instability, scripted faults, protocol knobs.
 
 Must not import torch, asyncio, socket, threading or time.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from gwtf.errors import UserError
 from gwtf.flow.generate import generate_instance
 from gwtf.flow.instance import Instance
 from gwtf.flow.network import CONTROL_BYTES
+from gwtf.flow.profiles import resolve_mix
 from gwtf.model.presets import model_spec
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.systems import iteration_params
@@ -53,6 +55,10 @@ class NodesSection:
     demand_per_dh: int = 0  # microbatches per data holder per iteration; 0 = train.microbatches
     relay_capacity: tuple[int, ...] = ()  # (lo, hi): uniform draw; () = memory model
     jitter_fraction: float = 0.0  # per-link noise on the network table
+    gpu_mix: str | tuple[Any, ...] = "default"  # flow.profiles.NAMED_MIXES name, or [[profile, share], ...]
+    gpu_flops_scale: float = 1.0  # multiplies every node's FLOP/s
+    link_bandwidth_scale: float = 1.0  # multiplies every link's bandwidth (same-region links too)
+    downlink_bytes_per_s: float = 0.0  # every node's downlink (a FIFO after the sender's uplink); 0 = unlimited
 
     def __post_init__(self) -> None:
         _req(self.count >= 2, "nodes.count", "must be >= 2")
@@ -60,6 +66,20 @@ class NodesSection:
         _req(self.demand_per_dh >= 0, "nodes.demand_per_dh", "must be >= 0")
         _req(len(self.relay_capacity) in (0, 2), "nodes.relay_capacity", "must be [] or [lo, hi]")
         _req(self.jitter_fraction >= 0, "nodes.jitter_fraction", "must be >= 0")
+        for k in ("gpu_flops_scale", "link_bandwidth_scale"):
+            _req(math.isfinite(getattr(self, k)) and getattr(self, k) > 0, f"nodes.{k}", "must be a finite number > 0")
+        _req(math.isfinite(self.downlink_bytes_per_s) and self.downlink_bytes_per_s >= 0,
+             "nodes.downlink_bytes_per_s", "must be a finite number >= 0 (0 = unlimited)")
+        if not isinstance(self.gpu_mix, str):  # a hashable, TOML-writable value: tuples of (name, share)
+            object.__setattr__(self, "gpu_mix", tuple(tuple(p) if isinstance(p, list) else p for p in self.gpu_mix))
+        try:
+            resolve_mix(self.gpu_mix, "nodes.gpu_mix")
+        except UserError as e:
+            raise UserError(f"scenario: {e}") from None
+
+    def profile_mix(self) -> tuple[tuple[str, float], ...]:
+        """`gpu_mix` as (profile, share) pairs."""
+        return resolve_mix(self.gpu_mix, "nodes.gpu_mix")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,7 +196,8 @@ def build(sc: ScenarioConfig, seed: int) -> tuple[Instance, TrainParams]:
         sc.nodes.count, m.stages, sc.nodes.data_holders, network=sc.nodes.network, seed=seed, model=m.family,
         preset=m.preset, microbatch_size=m.microbatch_size, seq_len=m.seq_len, vocab_size=m.vocab_size,
         demand_per_dh=demand, relay_capacity=(rc[0], rc[1]) if rc else None,
-        jitter_fraction=sc.nodes.jitter_fraction,
+        jitter_fraction=sc.nodes.jitter_fraction, mix=sc.nodes.profile_mix(),
+        flops_scale=sc.nodes.gpu_flops_scale, bandwidth_scale=sc.nodes.link_bandwidth_scale,
     )
     cfg = ModelConfig(family=m.family, preset=m.preset, seq_len=m.seq_len, microbatch_size=m.microbatch_size,
                       stages=m.stages)

@@ -48,7 +48,7 @@ class Simulator:
         self.inst, self.train = built if built is not None else build(sc, seed)
         self.engine = Engine()
         self.rng = random.Random(f"sim:{seed}")
-        self.net = NetworkModel(self.inst.network, sc.sim.control_bytes)
+        self.net = NetworkModel(self.inst.network, sc.sim.control_bytes, sc.nodes.downlink_bytes_per_s)
         self.compute = ComputeModel(random.Random(f"compute:{seed}"), sc.sim.compute_jitter,
                                     sc.sim.checkpoint_bandwidth_bytes_per_s)
         self.checker = InvariantChecker(self.train.stages, sc.sim.progress_bound_s, self.train.iterations)
