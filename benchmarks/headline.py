@@ -89,7 +89,7 @@ def run_one(job: tuple[str, str, int, str, int, list[str], str]) -> dict[str, An
     row = {"family": family, "churn": churn, "seed": seed, "system": system, "wall_s": time.perf_counter() - t0,
            "training_time_s": s["training_time_s"], "finished": s["finished"], "iterations": s["iterations"],
            "throughput_mb_per_s": s["throughput_microbatches_per_s"], "gpu_waste": s["gpu_waste_fraction"],
-           "discarded": s["discarded_busy_fraction"], "dropped": s["microbatches_dropped"],
+           "discarded": s["discarded_fraction"], "dropped": s["microbatches_dropped"],
            "violations": s["invariant_violations"], "crashes": s["crashes"],
            "moves": s["counters"].get("join", 0), "busy_s": s["busy_s"], "discarded_s": s["discarded_s"]}
     if plot_dir:

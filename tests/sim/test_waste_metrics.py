@@ -27,13 +27,13 @@ CHURNED = ["model.stages=3", "nodes.count=12", "nodes.data_holders=3", "nodes.re
 
 def _check_split(s: dict[str, Any]) -> None:
     avail = s["available_s"]
-    assert s["discarded_s"] > 0 and s["discarded_fraction"] > 0
-    assert math.isclose(s["discarded_s"] / avail, s["discarded_fraction"], rel_tol=1e-5)
+    assert s["discarded_s"] > 0 and s["discarded_waste_fraction"] > 0
+    assert math.isclose(s["discarded_s"] / avail, s["discarded_waste_fraction"], rel_tol=1e-5)
     assert math.isclose(s["idle_s"] / avail, s["idle_fraction"], rel_tol=1e-5)
-    assert math.isclose(s["discarded_fraction"] + s["idle_fraction"], s["gpu_waste_fraction"], rel_tol=1e-5)
+    assert math.isclose(s["discarded_waste_fraction"] + s["idle_fraction"], s["gpu_waste_fraction"], rel_tol=1e-5)
     assert s["discarded_s"] <= s["busy_s"] and s["idle_s"] + s["busy_s"] <= avail * (1 + 1e-8)
     # the share of the compute of finished iterations: busy_s also holds the unfinished ones
-    assert s["discarded_s"] / s["busy_s"] * (1 - 1e-5) <= s["discarded_busy_fraction"] <= 1
+    assert s["discarded_s"] / s["busy_s"] * (1 - 1e-5) <= s["discarded_fraction"] <= 1
 
 
 @pytest.mark.parametrize("system", ["gwtf", "swarm"])
@@ -60,5 +60,5 @@ def test_the_split_from_known_seconds() -> None:
     m.on_record(10.0, "a", "iteration_done", {"iteration": 1, "expected": 1, "round": 0})
     s = m.summary(end_s=10.0, iterations_target=2)
     assert (s["available_s"], s["busy_s"], s["discarded_s"], s["idle_s"]) == (20.0, 4.0, 3.0, 16.0)
-    assert (s["discarded_fraction"], s["idle_fraction"], s["gpu_waste_fraction"]) == (0.15, 0.8, 0.95)
-    assert s["discarded_busy_fraction"] == 0.75
+    assert (s["discarded_waste_fraction"], s["idle_fraction"], s["gpu_waste_fraction"]) == (0.15, 0.8, 0.95)
+    assert s["discarded_fraction"] == 0.75

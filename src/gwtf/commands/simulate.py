@@ -28,7 +28,7 @@ __all__ = ["add_arguments", "run"]
 TABLE = (("training_time_s", "time to K iterations [s]"), ("iterations", "iterations"),
          ("throughput_microbatches_per_s", "microbatches/s"), ("throughput_tokens_per_s", "tokens/s"),
          ("gpu_waste_fraction", "GPU waste (discarded+idle)"), ("idle_fraction", "idle GPU time"),
-         ("discarded_fraction", "discarded compute"), ("discarded_busy_fraction", "discarded / busy"),
+         ("discarded_waste_fraction", "discarded GPU time"), ("discarded_fraction", "discarded / busy compute"),
          ("microbatches_dropped", "microbatches dropped"), ("crashes", "crashes"),
          ("recovery_time_mean_s", "recovery mean [s]"), ("invariant_violations", "invariant violations"))
 

@@ -8,11 +8,11 @@ Owns: `Metrics`, fed by the simulator with Records, compute jobs and churn event
   entered an applied step (crashed replica, reset duplicate, rerouted original, rolled-back
   iteration); iterations unfinished when the run stops are left out of both;
 - available_s: seconds each active node was alive during the run; idle_s = available - busy;
-- shares of available_s: discarded_fraction = discarded_s / available_s (compute thrown away by
-  recovery: the paper's "waste"), idle_fraction = idle_s / available_s (GPUs waiting, mostly
-  for the network), and gpu_waste_fraction = their sum (kept: a summary.json contract);
-  discarded_busy_fraction = discarded_s / busy_s of finished iterations (the share of the
-  compute done that was thrown away).
+- discarded_fraction = discarded_s / busy_s of finished iterations (the share of the compute
+  done that recovery threw away: the paper's "waste"; a summary.json contract, meaning kept);
+- gpu_waste_fraction (a contract too) split in two shares of available_s that sum to it:
+  discarded_waste_fraction = discarded_s / available_s and idle_fraction = idle_s /
+  available_s (GPUs waiting, mostly for the network).
 Seconds are rounded to 9 significant digits and fractions to 6, never to fixed decimals: a tiny
 model computes for milliseconds, and 3 decimals rounded its discarded_s to 0.0.
 
@@ -158,10 +158,10 @@ class Metrics:
             "discarded_s": _sig(discarded, 9),
             "idle_s": _sig(idle, 9),
             "available_s": _sig(avail, 9),
-            "discarded_fraction": _sig(discarded / avail, 6) if avail else 0.0,
-            "idle_fraction": _sig(idle / avail, 6) if avail else 0.0,
+            "discarded_fraction": _sig(discarded / busy, 6),
             "gpu_waste_fraction": _sig((discarded + idle) / avail, 6) if avail else 0.0,
-            "discarded_busy_fraction": _sig(discarded / busy, 6),
+            "discarded_waste_fraction": _sig(discarded / avail, 6) if avail else 0.0,
+            "idle_fraction": _sig(idle / avail, 6) if avail else 0.0,
             "recovery_time_mean_s": round(sum(recovery) / len(recovery), 3) if recovery else 0.0,
             "recovery_time_max_s": round(max(recovery), 3) if recovery else 0.0,
             "crashes": len(self.crash_times),

@@ -122,7 +122,7 @@ def systems_figure(runs: Mapping[str, RunPlotData]) -> Any:
         ("training time (s)", [float(x["training_time_s"]) for x in s], False),
         ("throughput (microbatches/s)", [float(x["throughput_microbatches_per_s"]) for x in s], False),
         ("idle GPU time (% of available)", [_fraction(x, "idle_fraction", "idle_s") for x in s], True),
-        ("discarded compute (% of available)", [_fraction(x, "discarded_fraction", "discarded_s") for x in s], True),
+        ("discarded compute (% of compute done)", [float(x.get("discarded_fraction", 0.0)) for x in s], True),
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.8))
     for ax, (title, values, percent) in zip(axes, panels, strict=True):
