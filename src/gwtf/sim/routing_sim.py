@@ -14,7 +14,7 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, assert_never
@@ -159,33 +159,66 @@ class RoutingSim:
         return Instance(nodes=nodes, stages=inst.stages, network=inst.network, activation_bytes=inst.activation_bytes)
 
     def routes(self) -> list[Route]:
-        """Complete routes, following every live data holder's established flows hop by hop."""
-        out: list[Route] = []
-        stages = self.instance.stages
+        """Complete routes, following every live data holder's established flows hop by hop.
+
+        Exact at any moment: each relay's flow entry belongs to at most one route. While a data
+        holder exchange is under way the taker has adopted the giver's route (under a new name,
+        `renamed_from` the old one) before the giver has let go of it, so both walk the same
+        relay entries; the giver's walk, under the name the relays still use, keeps them, and the
+        route is counted once. Checked: `_check_snapshot` raises if a node ever carries more
+        routes than its limit.
+        """
+        walks: list[tuple[bool, Route, list[tuple[NodeId, Any]]]] = []
         for dh in self.instance.by_stage[0]:
-            agent = self.agents[dh]
             if dh in self.dead:
                 continue
-            for key, e in agent.flows.items():
+            for key, e in self.agents[dh].flows.items():
                 if e.pending or e.next is None:
                     continue
-                keys = (key,) if e.renamed_from is None else (key, e.renamed_from)  # rename under way
-                route, prev, node = [dh], dh, e.next
-                for _ in range(1, stages):
-                    node, f = self._holder(node, keys, prev)
-                    if f is not None and f.key != key and prev == dh:
-                        prev = f.prev  # not renamed yet: still names the old origin as prev
-                    if f is None or f.pending or f.prev != prev or f.next is None:
-                        break
-                    alias = self.agents[node].swap_aliases.get(f.key)
-                    if alias is not None:  # tails swapped here: below, the tail may still have its old name
-                        keys = (*keys, alias[0])
-                    route.append(node)
-                    prev, node = node, f.next
-                else:
-                    if node == dh or (e.renamed_from is not None and node == e.renamed_from[0]):
-                        out.append(tuple(route))
+                walked = self._walk(dh, key, e)
+                if walked is not None:
+                    walks.append((e.renamed_from is not None, *walked))
+        out: list[Route] = []
+        claimed: set[tuple[NodeId, Any]] = set()
+        for _renamed, route, hops in sorted(walks, key=lambda w: w[0]):  # stable: originals first
+            if claimed.isdisjoint(hops):
+                claimed.update(hops)
+                out.append(route)
+        self._check_snapshot(out)
         return out
+
+    def _walk(self, dh: NodeId, key: Any, e: Any) -> tuple[Route, list[tuple[NodeId, Any]]] | None:
+        """The complete route of data holder `dh`'s flow `key` (entry `e`) and the relay entries
+        (node, key there) it runs through, or None if it is not complete now."""
+        keys = (key,) if e.renamed_from is None else (key, e.renamed_from)  # rename under way
+        route, hops, prev, node = [dh], [], dh, e.next
+        for _ in range(1, self.instance.stages):
+            node, f = self._holder(node, keys, prev)
+            if f is not None and f.key != key and prev == dh:
+                prev = f.prev  # not renamed yet: still names the old origin as prev
+            if f is None or f.pending or f.prev != prev or f.next is None:
+                return None
+            alias = self.agents[node].swap_aliases.get(f.key)
+            if alias is not None:  # tails swapped here: below, the tail may still have its old name
+                keys = (*keys, alias[0])
+            route.append(node)
+            hops.append((node, f.key))
+            prev, node = node, f.next
+        if node == dh or (e.renamed_from is not None and node == e.renamed_from[0]):
+            return tuple(route), hops
+        return None
+
+    def _check_snapshot(self, routes: list[Route]) -> None:
+        """Raise AssertionError if a snapshot puts more routes through a node than it may carry
+        (min(demand, capacity) at a data holder): a route counted twice is a measurement bug."""
+        load = Counter(n for r in routes for n in r)
+        by_id = self.instance.by_id
+        for nid, n in load.items():
+            spec = by_id[nid]
+            limit = min(spec.demand, spec.capacity) if spec.is_data_holder else spec.capacity
+            if n > limit:
+                raise AssertionError(f"routing snapshot at {self.engine.now:.3f} s: {nid} carries {n} routes, "
+                                     f"limit {limit}")
 
     def _holder(self, node: NodeId, keys: tuple[tuple[NodeId, int], ...], prev: NodeId) -> tuple[NodeId, Any]:
         """The node that holds the flow (under any of its names, preferring the one whose prev is
