@@ -5,14 +5,20 @@ bytes / bandwidth between the two nodes' regions (a constant size per control me
 their timers, tells each agent its prev / same / next-stage neighbours at start (with the true
 link as if measured: both directions averaged, so the agent's d(i,j) equals the instance's), runs
 until it is stable for `stable_ticks` ticks (or a virtual time limit), extracts the
-routes by following every data holder's flows, and crashes relays silently (messages to them are
+routes by following every data holder's flows (each relay entry in at most one route, checked
+against every node's limit on every snapshot), and crashes relays silently (messages to them are
 lost; their neighbours get `on_peer_down` after `detection_delay_s` + latency).
+
+Instances read from a file may leave node pairs without a link (`Instance.linked`): such a
+prev/next-stage node is never announced, and a control message between unlinked nodes takes the
+slowest listed link's delay.
 
 Must not import torch, asyncio, socket, threading or time.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -148,7 +154,8 @@ class RoutingSim:
             self.dead.add(v)
         for v in victims:
             for peer in self._neighbours(v):
-                delay = self.detection_delay_s + self.instance.latency_s(peer, v)
+                lat = self.instance.latency_s(peer, v)
+                delay = self.detection_delay_s + (lat if math.isfinite(lat) else self._delay_s(v, peer))
                 self.engine.after(delay, self._peer_down, peer, v)
         return victims
 
@@ -263,10 +270,13 @@ class RoutingSim:
         inst = self.instance
         s, k = inst.by_id[nid].stage, inst.stages
         stages = sorted({(s - 1) % k, s, (s + 1) % k})
-        return [p for st in stages for p in inst.by_stage[st] if p != nid and p not in self.dead]
+        return [p for st in stages for p in inst.by_stage[st] if p != nid and p not in self.dead
+                and (st == s or inst.linked(nid, p))]  # no link: a prev/next node it cannot use
 
     def _link(self, a: NodeId, b: NodeId) -> LinkEstimate:
         inst = self.instance
+        if not inst.linked(a, b):  # same-stage peers with no link talk over the control plane only
+            return LinkEstimate(math.inf, math.inf)
         lat = (inst.latency_s(a, b) + inst.latency_s(b, a)) / 2.0
         bw = (inst.bandwidth_bytes_per_s(a, b) + inst.bandwidth_bytes_per_s(b, a)) / 2.0
         return LinkEstimate(lat, bw)
@@ -276,9 +286,21 @@ class RoutingSim:
         d = self._delay.get((ra, rb))
         if d is None:
             net = self.instance.network
-            d = net.latency_s(ra, rb) + self.message_bytes / net.bandwidth_bytes_per_s(ra, rb)
+            lat = net.latency_s(ra, rb)
+            d = (lat + self.message_bytes / net.bandwidth_bytes_per_s(ra, rb) if math.isfinite(lat)
+                 else self._unlinked_delay_s())
             self._delay[(ra, rb)] = d
         return d
+
+    def _unlinked_delay_s(self) -> float:
+        """A control message between two nodes with no link (an instance file's `links` left the
+        pair out) goes over the control plane: as slow as the slowest link, latency and bandwidth."""
+        net = self.instance.network
+        pairs = [(lat, bw) for lrow, brow in zip(net.latency_matrix_s, net.bandwidth_matrix_bytes_per_s)
+                 for lat, bw in zip(lrow, brow) if math.isfinite(lat)]
+        if not pairs:
+            return 1.0
+        return max(lat for lat, _ in pairs) + self.message_bytes / min(bw for _, bw in pairs)
 
     def _apply(self, nid: NodeId, effects: Sequence[RouterEffect]) -> None:
         engine = self.engine
