@@ -12,8 +12,9 @@ import pytest
 from gwtf.cli import main
 from gwtf.config import FlowConfig
 from gwtf.flow.generate import generate_instance
-from gwtf.flow.instance import evaluate_routes
+from gwtf.flow.instance import evaluate_routes, validate_routes
 from gwtf.flow.optimum import optimum
+from gwtf.protocol.flow_messages import FlowPropose
 from gwtf.sim.routing_sim import RoutingSim
 
 
@@ -140,3 +141,43 @@ def test_quiet_ticks_back_off_and_wake_on_a_crash() -> None:
     assert not {n for r in out.routes for n in r} & set(victims)
     assert stats.flow == optimum(survivors).stats.flow
     sim.check_invariants()
+
+
+class _EveryDelivery(RoutingSim):
+    """Validates the snapshot after every message delivery and counts data-holder exchanges."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.failure: str | None = None
+        self.dh_exchanges = 0
+
+    def _receive(self, src: str, dst: str, msg: object) -> None:
+        super()._receive(src, dst, msg)  # type: ignore[arg-type]
+        if isinstance(msg, FlowPropose) and msg.kind == "exchange" and self.instance.by_id[dst].stage == 0:
+            self.dh_exchanges += 1
+        if self.failure is None:
+            try:
+                validate_routes(self.instance, self.routes())
+            except (ValueError, AssertionError) as exc:
+                self.failure = f"at {self.engine.now:.3f} s after {type(msg).__name__}: {exc}"
+
+
+@pytest.mark.parametrize(("n", "stages", "dhs", "seed"), [(10, 2, 2, 2), (16, 3, 3, 0), (24, 4, 4, 2)])
+def test_routes_are_exact_while_data_holders_exchange(n: int, stages: int, dhs: int, seed: int) -> None:
+    """Regression (issue 17): while a data-holder exchange was in flight, the giver and the taker
+    both walked the same relay entries, so a snapshot counted one route twice and put more routes
+    through a relay than its capacity (`gwtf route --nodes 60 --stages 6 --data-holders 6
+    --seed 1003` died on it). Every snapshot, after every message, must be a legal routing."""
+    inst = generate_instance(n, stages, dhs, seed=seed, relay_capacity=(1, 3))
+    sim = _EveryDelivery(inst, seed=seed)
+    sim.run(300.0)
+    assert sim.dh_exchanges > 0  # the case under test happened
+    assert sim.failure is None, sim.failure
+
+
+def test_snapshot_check_names_the_overfull_node() -> None:
+    inst = generate_instance(10, 2, 2, seed=2, relay_capacity=(1, 1))
+    sim = RoutingSim(inst, seed=2)
+    relay = inst.by_stage[1][0]
+    with pytest.raises(AssertionError, match=f"{relay} carries 2 routes, limit 1"):
+        sim._check_snapshot([(inst.by_stage[0][0], relay), (inst.by_stage[0][1], relay)])

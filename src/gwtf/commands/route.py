@@ -1,6 +1,7 @@
 """`gwtf route`: build a routing instance and compare gwtf's decentralized flow with the rest.
 
-Owns: the command's flags and report. It generates a seeded instance (`flow.generate`), solves
+Owns: the command's flags and report. It generates a seeded instance (`flow.generate`) or reads
+one from a file (`--instance`, `flow.instance_file`; `--write-instance` writes it), solves
 the central optimum (`flow.optimum`), runs the decentralized protocol in the routing-only
 simulator (`sim.routing_sim`), the SWARM, greedy and random baselines (`flow.baselines`), and
 optionally crashes a fraction of the relays after convergence and measures re-convergence.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from typing import Any
@@ -22,17 +24,25 @@ from gwtf.errors import UserError
 from gwtf.flow.baselines import greedy_routes, random_routes, swarm_routes
 from gwtf.flow.generate import generate_instance
 from gwtf.flow.instance import Instance, Route, evaluate_routes
+from gwtf.flow.instance_file import load_instance, write_instance
 from gwtf.flow.optimum import optimum
 from gwtf.sim.routing_sim import RoutingSim
 
 __all__ = ["add_arguments", "run", "compare"]
 
 
+DEFAULT_SHAPE = {"nodes": 24, "stages": 4, "data_holders": 4, "network": "geo10"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=24, help="N: nodes in total (data holders + relays)")
-    parser.add_argument("--stages", type=int, default=4, help="S: stages incl. stage 0 (data holders)")
-    parser.add_argument("--data-holders", type=int, default=4, help="D: data holders (stage 0)")
-    parser.add_argument("--network", default="geo10", help="region table: geo10 or geo12")
+    parser.add_argument("--nodes", type=int, help="N: nodes in total (data holders + relays); default 24")
+    parser.add_argument("--stages", type=int, help="S: stages incl. stage 0 (data holders); default 4")
+    parser.add_argument("--data-holders", type=int, help="D: data holders (stage 0); default 4")
+    parser.add_argument("--network", help="region table: geo10 (default) or geo12")
+    parser.add_argument("--instance", metavar="FILE",
+                        help="read the instance from a .json or .toml file (docs/routing.md) instead of generating one")
+    parser.add_argument("--write-instance", metavar="FILE",
+                        help="write the instance (generated or read) to a .json or .toml file, then run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--crash-fraction", type=float, default=0.0,
@@ -43,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    shape = [f"--{k.replace('_', '-')}" for k in DEFAULT_SHAPE if getattr(args, k) is not None]
+    if args.instance is not None and shape:
+        raise UserError(f"--instance gives the nodes and the network; drop {shape[0]}")
+    for k, v in DEFAULT_SHAPE.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.stages < 2:
         raise UserError(f"--stages must be >= 2 (stage 0 plus a relay stage), got {args.stages}")
     if args.data_holders < 1:
@@ -59,6 +75,16 @@ def _check(args: argparse.Namespace) -> None:
 def _scores(instance: Instance, routes: list[Route] | tuple[Route, ...]) -> dict[str, Any]:
     st = evaluate_routes(instance, routes)
     return {"flow": st.flow, "max_route_cost_s": st.max_route_cost_s, "sum_route_cost_s": st.sum_route_cost_s}
+
+
+def _baseline_scores(instance: Instance, routes: list[Route]) -> dict[str, Any]:
+    """A baseline's scores; its routes over a missing link (an instance file's `links`) cannot run
+    and are dropped (counted in `unusable_routes`, present only when there are any)."""
+    usable = [r for r in routes if math.isfinite(instance.route_cost_s(r))]
+    out = _scores(instance, usable)
+    if len(usable) < len(routes):
+        out["unusable_routes"] = len(routes) - len(usable)
+    return out
 
 
 def compare(instance: Instance, cfg: Config, seed: int, crash_fraction: float = 0.0,
@@ -84,9 +110,9 @@ def compare(instance: Instance, cfg: Config, seed: int, crash_fraction: float = 
         "messages": res.messages, "messages_per_node": res.messages / len(instance.nodes),
         "wall_s": time.perf_counter() - t0,
     }
-    out["swarm"] = _scores(instance, swarm_routes(instance, random.Random(seed)))
-    out["greedy"] = _scores(instance, greedy_routes(instance))
-    out["random"] = _scores(instance, random_routes(instance, random.Random(seed)))
+    out["swarm"] = _baseline_scores(instance, swarm_routes(instance, random.Random(seed)))
+    out["greedy"] = _baseline_scores(instance, greedy_routes(instance))
+    out["random"] = _baseline_scores(instance, random_routes(instance, random.Random(seed)))
     if crash_fraction > 0:
         out["gwtf_after_crash"] = _after_crash(sim, crash_fraction, seed, time_limit_s)
     return out
@@ -110,7 +136,13 @@ def _after_crash(sim: RoutingSim, fraction: float, seed: int, time_limit_s: floa
 def run(args: argparse.Namespace) -> int:
     _check(args)
     cfg: Config = load_config(args.config, args.overrides)
-    instance = generate_instance(args.nodes, args.stages, args.data_holders, network=args.network, seed=args.seed)
+    if args.instance is not None:
+        instance = load_instance(args.instance)
+    else:
+        instance = generate_instance(args.nodes, args.stages, args.data_holders, network=args.network,
+                                     seed=args.seed)
+    if args.write_instance is not None:
+        write_instance(instance, args.write_instance)
     result = compare(instance, cfg, args.seed, args.crash_fraction, args.time_limit_s)
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -124,8 +156,9 @@ def _print_table(result: dict[str, dict[str, Any]], args: argparse.Namespace) ->
     from rich.table import Table
 
     opt = result["optimal"]
-    table = Table(title=f"gwtf route: N={args.nodes} S={args.stages} D={args.data_holders} "
-                        f"{args.network} seed={args.seed}")
+    shape = (f"{args.instance}" if args.instance is not None else
+             f"N={args.nodes} S={args.stages} D={args.data_holders} {args.network}")
+    table = Table(title=f"gwtf route: {shape} seed={args.seed}")
     for col in ("method", "flow", "max route s", "max / optimal", "sum route s", "notes"):
         table.add_column(col, justify="left" if col in ("method", "notes") else "right")
     for name, r in result.items():

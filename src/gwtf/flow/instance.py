@@ -14,6 +14,7 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,13 +67,19 @@ class Instance:
     def bandwidth_bytes_per_s(self, i: NodeId, j: NodeId) -> float:
         return self.network.bandwidth_bytes_per_s(self.by_id[i].region, self.by_id[j].region)
 
+    def linked(self, i: NodeId, j: NodeId) -> bool:
+        """A link both ways (an instance file's `links` may leave pairs out: no link, d = inf)."""
+        return math.isfinite(self.latency_s(i, j)) and math.isfinite(self.latency_s(j, i))
+
     def edge_cost_s(self, i: NodeId, j: NodeId) -> float:
-        """d(i,j) for consecutive-stage nodes i -> j (or last relay -> data holder)."""
+        """d(i,j) for consecutive-stage nodes i -> j (or last relay -> data holder); inf: no link."""
         a, b = self.by_id[i], self.by_id[j]
         net = self.network
+        lat_ab, lat_ba = net.latency_s(a.region, b.region), net.latency_s(b.region, a.region)
+        if math.isinf(lat_ab) or math.isinf(lat_ba):
+            return math.inf
         return edge_cost_s(
-            a.compute_s, b.compute_s,
-            net.latency_s(a.region, b.region), net.latency_s(b.region, a.region),
+            a.compute_s, b.compute_s, lat_ab, lat_ba,
             net.bandwidth_bytes_per_s(a.region, b.region), net.bandwidth_bytes_per_s(b.region, a.region),
             self.activation_bytes,
         )

@@ -17,6 +17,10 @@ Method (docs/routing.md has the argument):
   (integer path multiplicities, class capacities, total = F), then minimise the sum under the cap.
 - Certified lower bound: per stage, the smallest cap t whose classes with cheapest-route-through <= t
   hold >= F capacity; the max over stages is <= the optimum (exact runs report the optimum itself).
+- Missing links (an instance file's `links` leave pairs out, d = inf): a route must return to its
+  own data holder over existing links, so F is no longer the single-commodity max flow; every
+  finite class path is enumerated (up to SPARSE_PATH_LIMIT), CP-SAT maximises the flow on them and
+  the exact bisection follows. Always exact.
 
 Must not import torch, asyncio, socket, threading or time (wall time is measured by callers).
 """
@@ -31,11 +35,14 @@ from ortools.graph.python import max_flow
 from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
+from gwtf.errors import UserError
 from gwtf.flow.instance import Instance, Route, RouteStats, evaluate_routes
 from gwtf.ids import NodeId
 
 EXACT_MAX_NODES = 60
 EXACT_PATH_LIMIT = 20_000
+SPARSE_PATH_LIMIT = 200_000  # instances with missing links are always solved exactly, up to this
+_FINITE_CAP_S = 1e300  # enumerate every path of finite cost
 _COST_SCALE = 1e6  # CP-SAT objective in microseconds
 _EPS = 1e-12
 
@@ -528,6 +535,8 @@ def optimum(instance: Instance, exact: bool | None = None, time_limit_s: float =
     paths are no dearer than the heuristic's max. `time_limit_s` bounds each CP-SAT solve.
     """
     graph = class_graph(instance)
+    if any(not np.isfinite(c).all() for c in graph.cost):
+        return _sparse_optimum(instance, graph, time_limit_s)
     flow = _max_flow(graph)
     if flow == 0:
         return OptimumResult([], RouteStats(0, 0.0, 0.0), 0.0, "empty")
@@ -545,3 +554,53 @@ def optimum(instance: Instance, exact: bool | None = None, time_limit_s: float =
     stats = evaluate_routes(instance, routes)
     lb = stats.max_route_cost_s if method == "exact-cpsat" else min(bound, stats.max_route_cost_s)
     return OptimumResult(routes, stats, lb, method)
+
+
+# ---- instances with missing links (instance files' `links`) ------------------------------------
+
+
+def _sparse_optimum(instance: Instance, graph: ClassGraph, time_limit_s: float) -> OptimumResult:
+    """Exact optimum when some pairs have no link (d = inf). A route must come back to its own
+    data holder over links that exist, so the single-commodity max flow no longer holds: every
+    finite class path is enumerated, CP-SAT finds the max flow on them, then `exact_groups`.
+
+    Raises:
+        UserError: more than SPARSE_PATH_LIMIT finite class paths, or CP-SAT out of time.
+    """
+    paths = enumerate_paths(graph, _FINITE_CAP_S, SPARSE_PATH_LIMIT)
+    if paths is None:
+        raise UserError(f"instance with missing links has more than {SPARSE_PATH_LIMIT} possible routes: "
+                        "too large for the exact optimum (list fewer links, or give a region network)")
+    flow = _max_flow_paths(graph, paths, time_limit_s)
+    if flow == 0:
+        return OptimumResult([], RouteStats(0, 0.0, 0.0), 0.0, "empty")
+    try:
+        groups = exact_groups(graph, flow, paths, lower_bound(graph, flow), time_limit_s)
+    except TimeoutError:
+        raise UserError(f"the optimum of this instance did not finish within {time_limit_s:g} s") from None
+    routes = split_to_routes(instance, graph, groups)
+    stats = evaluate_routes(instance, routes)
+    return OptimumResult(routes, stats, stats.max_route_cost_s, "exact-cpsat")
+
+
+def _max_flow_paths(graph: ClassGraph, paths: list[tuple[float, ClassPath]], time_limit_s: float) -> int:
+    """Most routes the finite class paths carry within class capacities (CP-SAT, exact)."""
+    if not paths:
+        return 0
+    model = cp_model.CpModel()
+    use: dict[tuple[int, int], list[cp_model.IntVar]] = {}
+    ys = []
+    for i, (_, path) in enumerate(paths):
+        y = model.new_int_var(0, min(int(graph.capacity[k][c]) for k, c in enumerate(path)), f"y{i}")
+        ys.append(y)
+        for k, c in enumerate(path):
+            use.setdefault((k, c), []).append(y)
+    for (k, c), vs in use.items():
+        model.add(sum(vs) <= int(graph.capacity[k][c]))
+    model.maximize(sum(ys))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1  # deterministic
+    solver.parameters.max_time_in_seconds = time_limit_s
+    if solver.solve(model) != cp_model.OPTIMAL:
+        raise UserError(f"the max flow of this instance did not finish within {time_limit_s:g} s")
+    return int(round(solver.objective_value))

@@ -5,16 +5,22 @@ bytes / bandwidth between the two nodes' regions (a constant size per control me
 their timers, tells each agent its prev / same / next-stage neighbours at start (with the true
 link as if measured: both directions averaged, so the agent's d(i,j) equals the instance's), runs
 until it is stable for `stable_ticks` ticks (or a virtual time limit), extracts the
-routes by following every data holder's flows, and crashes relays silently (messages to them are
+routes by following every data holder's flows (each relay entry in at most one route, checked
+against every node's limit on every snapshot), and crashes relays silently (messages to them are
 lost; their neighbours get `on_peer_down` after `detection_delay_s` + latency).
+
+Instances read from a file may leave node pairs without a link (`Instance.linked`): such a
+prev/next-stage node is never announced, and a control message between unlinked nodes takes the
+slowest listed link's delay.
 
 Must not import torch, asyncio, socket, threading or time.
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, assert_never
@@ -148,7 +154,8 @@ class RoutingSim:
             self.dead.add(v)
         for v in victims:
             for peer in self._neighbours(v):
-                delay = self.detection_delay_s + self.instance.latency_s(peer, v)
+                lat = self.instance.latency_s(peer, v)
+                delay = self.detection_delay_s + (lat if math.isfinite(lat) else self._delay_s(v, peer))
                 self.engine.after(delay, self._peer_down, peer, v)
         return victims
 
@@ -159,33 +166,66 @@ class RoutingSim:
         return Instance(nodes=nodes, stages=inst.stages, network=inst.network, activation_bytes=inst.activation_bytes)
 
     def routes(self) -> list[Route]:
-        """Complete routes, following every live data holder's established flows hop by hop."""
-        out: list[Route] = []
-        stages = self.instance.stages
+        """Complete routes, following every live data holder's established flows hop by hop.
+
+        Exact at any moment: each relay's flow entry belongs to at most one route. While a data
+        holder exchange is under way the taker has adopted the giver's route (under a new name,
+        `renamed_from` the old one) before the giver has let go of it, so both walk the same
+        relay entries; the giver's walk, under the name the relays still use, keeps them, and the
+        route is counted once. Checked: `_check_snapshot` raises if a node ever carries more
+        routes than its limit.
+        """
+        walks: list[tuple[bool, Route, list[tuple[NodeId, Any]]]] = []
         for dh in self.instance.by_stage[0]:
-            agent = self.agents[dh]
             if dh in self.dead:
                 continue
-            for key, e in agent.flows.items():
+            for key, e in self.agents[dh].flows.items():
                 if e.pending or e.next is None:
                     continue
-                keys = (key,) if e.renamed_from is None else (key, e.renamed_from)  # rename under way
-                route, prev, node = [dh], dh, e.next
-                for _ in range(1, stages):
-                    node, f = self._holder(node, keys, prev)
-                    if f is not None and f.key != key and prev == dh:
-                        prev = f.prev  # not renamed yet: still names the old origin as prev
-                    if f is None or f.pending or f.prev != prev or f.next is None:
-                        break
-                    alias = self.agents[node].swap_aliases.get(f.key)
-                    if alias is not None:  # tails swapped here: below, the tail may still have its old name
-                        keys = (*keys, alias[0])
-                    route.append(node)
-                    prev, node = node, f.next
-                else:
-                    if node == dh or (e.renamed_from is not None and node == e.renamed_from[0]):
-                        out.append(tuple(route))
+                walked = self._walk(dh, key, e)
+                if walked is not None:
+                    walks.append((e.renamed_from is not None, *walked))
+        out: list[Route] = []
+        claimed: set[tuple[NodeId, Any]] = set()
+        for _renamed, route, hops in sorted(walks, key=lambda w: w[0]):  # stable: originals first
+            if claimed.isdisjoint(hops):
+                claimed.update(hops)
+                out.append(route)
+        self._check_snapshot(out)
         return out
+
+    def _walk(self, dh: NodeId, key: Any, e: Any) -> tuple[Route, list[tuple[NodeId, Any]]] | None:
+        """The complete route of data holder `dh`'s flow `key` (entry `e`) and the relay entries
+        (node, key there) it runs through, or None if it is not complete now."""
+        keys = (key,) if e.renamed_from is None else (key, e.renamed_from)  # rename under way
+        route, hops, prev, node = [dh], [], dh, e.next
+        for _ in range(1, self.instance.stages):
+            node, f = self._holder(node, keys, prev)
+            if f is not None and f.key != key and prev == dh:
+                prev = f.prev  # not renamed yet: still names the old origin as prev
+            if f is None or f.pending or f.prev != prev or f.next is None:
+                return None
+            alias = self.agents[node].swap_aliases.get(f.key)
+            if alias is not None:  # tails swapped here: below, the tail may still have its old name
+                keys = (*keys, alias[0])
+            route.append(node)
+            hops.append((node, f.key))
+            prev, node = node, f.next
+        if node == dh or (e.renamed_from is not None and node == e.renamed_from[0]):
+            return tuple(route), hops
+        return None
+
+    def _check_snapshot(self, routes: list[Route]) -> None:
+        """Raise AssertionError if a snapshot puts more routes through a node than it may carry
+        (min(demand, capacity) at a data holder): a route counted twice is a measurement bug."""
+        load = Counter(n for r in routes for n in r)
+        by_id = self.instance.by_id
+        for nid, n in load.items():
+            spec = by_id[nid]
+            limit = min(spec.demand, spec.capacity) if spec.is_data_holder else spec.capacity
+            if n > limit:
+                raise AssertionError(f"routing snapshot at {self.engine.now:.3f} s: {nid} carries {n} routes, "
+                                     f"limit {limit}")
 
     def _holder(self, node: NodeId, keys: tuple[tuple[NodeId, int], ...], prev: NodeId) -> tuple[NodeId, Any]:
         """The node that holds the flow (under any of its names, preferring the one whose prev is
@@ -230,10 +270,13 @@ class RoutingSim:
         inst = self.instance
         s, k = inst.by_id[nid].stage, inst.stages
         stages = sorted({(s - 1) % k, s, (s + 1) % k})
-        return [p for st in stages for p in inst.by_stage[st] if p != nid and p not in self.dead]
+        return [p for st in stages for p in inst.by_stage[st] if p != nid and p not in self.dead
+                and (st == s or inst.linked(nid, p))]  # no link: a prev/next node it cannot use
 
     def _link(self, a: NodeId, b: NodeId) -> LinkEstimate:
         inst = self.instance
+        if not inst.linked(a, b):  # same-stage peers with no link talk over the control plane only
+            return LinkEstimate(math.inf, math.inf)
         lat = (inst.latency_s(a, b) + inst.latency_s(b, a)) / 2.0
         bw = (inst.bandwidth_bytes_per_s(a, b) + inst.bandwidth_bytes_per_s(b, a)) / 2.0
         return LinkEstimate(lat, bw)
@@ -243,9 +286,21 @@ class RoutingSim:
         d = self._delay.get((ra, rb))
         if d is None:
             net = self.instance.network
-            d = net.latency_s(ra, rb) + self.message_bytes / net.bandwidth_bytes_per_s(ra, rb)
+            lat = net.latency_s(ra, rb)
+            d = (lat + self.message_bytes / net.bandwidth_bytes_per_s(ra, rb) if math.isfinite(lat)
+                 else self._unlinked_delay_s())
             self._delay[(ra, rb)] = d
         return d
+
+    def _unlinked_delay_s(self) -> float:
+        """A control message between two nodes with no link (an instance file's `links` left the
+        pair out) goes over the control plane: as slow as the slowest link, latency and bandwidth."""
+        net = self.instance.network
+        pairs = [(lat, bw) for lrow, brow in zip(net.latency_matrix_s, net.bandwidth_matrix_bytes_per_s)
+                 for lat, bw in zip(lrow, brow) if math.isfinite(lat)]
+        if not pairs:
+            return 1.0
+        return max(lat for lat, _ in pairs) + self.message_bytes / min(bw for _, bw in pairs)
 
     def _apply(self, nid: NodeId, effects: Sequence[RouterEffect]) -> None:
         engine = self.engine
