@@ -19,7 +19,7 @@ from gwtf.errors import UserError
 from gwtf.protocol.messages import Compute, Record
 from gwtf.runtime.drive import ComputeResult, Host
 from gwtf.runtime.launcher import ProcessGroup
-from gwtf.runtime.meter import WARMUP_JOBS, ComputeMeter
+from gwtf.runtime.meter import SAMPLES, WARMUP_JOBS, ComputeMeter
 from gwtf.runtime.node import NodeIdentity
 from gwtf.runtime.swarm import initial_plans
 
@@ -28,7 +28,7 @@ CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "swarm-test.toml"
 
 
 def test_the_meter_skips_the_warm_up_and_averages_a_stage_s_microbatch_kinds() -> None:
-    m = ComputeMeter(alpha=0.5, warmup=2)
+    m = ComputeMeter(alpha=0.5, warmup=2, samples=1)
     for _ in range(2):
         m.add(1, "forward", 9.0)  # warm-up: not counted
         m.add(1, "backward", 9.0)
@@ -42,12 +42,20 @@ def test_the_meter_skips_the_warm_up_and_averages_a_stage_s_microbatch_kinds() -
     assert m.per_microbatch_s(2) is None
     m.add(2, "forward", 1.0)  # another stage (a move): starts afresh, warm-up included
     assert m.per_microbatch_s(1) is None and m.stage == 2
-    dh = ComputeMeter(alpha=1.0, warmup=0)
+    dh = ComputeMeter(alpha=1.0, warmup=0, samples=1)
     for kind, s in (("embed", 0.1), ("loss", 0.2), ("forward", 5.0)):
         dh.add(0, kind, s)
     assert dh.per_microbatch_s(0) is None  # the embedding's backward is part of a data holder's microbatch
     dh.add(0, "embed_backward", 0.3)
     assert dh.per_microbatch_s(0) == pytest.approx(0.6)
+    mean = ComputeMeter(alpha=0.1, warmup=1, samples=3)
+    for s in (100.0, 1.0, 2.0):
+        mean.add(1, "forward", s)
+        mean.add(1, "backward", 0.0)
+    assert mean.per_microbatch_s(1) is None  # 2 counted jobs of each kind, 3 needed
+    mean.add(1, "forward", 6.0)
+    mean.add(1, "backward", 0.0)
+    assert mean.per_microbatch_s(1) == pytest.approx(3.0)  # the mean of 1, 2, 6 (not an EMA from 1)
 
 
 def _relay(out: Path, slowdown: float) -> Host:
@@ -77,8 +85,9 @@ def _estimates(host: Host, n: int) -> list[float | None]:
 
 def test_a_host_measures_its_jobs_after_the_warm_up_and_its_core_advertises_them(tmp_path: Path) -> None:
     host = _relay(tmp_path, 1.0)
-    assert _estimates(host, WARMUP_JOBS) == [None] * WARMUP_JOBS
-    result, job = _microbatch(host, WARMUP_JOBS)
+    first = WARMUP_JOBS + SAMPLES - 1
+    assert _estimates(host, first) == [None] * first
+    result, job = _microbatch(host, first)
     assert result.compute_s is not None and result.compute_s > 0.0
     # a placeholder no measurement of the tiny model comes near (a loaded machine may take ~1 s)
     host.core.me = replace(host.core.me, compute_s=PLACEHOLDER_S)
@@ -91,7 +100,7 @@ def test_a_host_measures_its_jobs_after_the_warm_up_and_its_core_advertises_them
 
 def test_a_slowed_host_sleeps_the_slowdown_and_measures_it(tmp_path: Path) -> None:
     host = _relay(tmp_path, 4.0)
-    host.meter = ComputeMeter(alpha=1.0, warmup=0)
+    host.meter = ComputeMeter(alpha=1.0, warmup=0, samples=1)
     fwd = Compute(1, "forward", 1, ("d0", 0, 0), 0.0, (), ())
     bwd = Compute(2, "backward", 1, ("d0", 0, 0), 0.0, (), ())
     t0 = time.perf_counter()

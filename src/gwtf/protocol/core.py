@@ -18,6 +18,7 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from enum import StrEnum
@@ -106,7 +107,9 @@ RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStar
 
 COMPUTE_READVERTISE = 0.1
 """`on_compute_measured`: a measured compute time is advertised only when it moved by more than
-this fraction of the advertised one (no message per job for noise)."""
+this fraction of the advertised one (no message per job for noise) ..."""
+COMPUTE_ADVERT_GAP_S = 2.0
+"""... and at least this long after the previous advertisement (the first one is at once)."""
 
 LinkPrior = Callable[[PeerInfo, PeerInfo], LinkEstimate]
 """What a node believes of the link from one node to another before measuring it; a function of
@@ -154,6 +157,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
     fixed_stage: int | None = None  # a joiner keeps this stage instead of the bottleneck stage
     start_members: int = 0  # leader of a fresh swarm: hold iteration 0 until this many members
     start_version: int = 0  # a resumed swarm's first version (its bootstrap node loaded it)
+    compute_advertised_s: float = -math.inf  # when on_compute_measured last advertised (driver time)
 
     def _resume(self, now: float) -> list[Effect]:
         # A fresh or resumed swarm (nothing trained since the start) stays paused until every
@@ -233,15 +237,17 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         """The driver measured this node's compute seconds per microbatch of its stage (the
         runtime: a moving average of its stage's job times, `docs/runtime.md`; the simulator
         never calls it, its nodes keep the compute time they started with). A value that moved
-        by more than `COMPUTE_READVERTISE` (relative) from the one advertised becomes this
-        node's `me.compute_s`, re-prices its own edges and is sent to the members that price it
-        (`MembershipMixin.compute_changed`); smaller moves, a node without a stage and a value
-        that is not a positive finite number of seconds change nothing."""
+        by more than `COMPUTE_READVERTISE` (relative) from the one advertised, at least
+        `COMPUTE_ADVERT_GAP_S` after the previous advertisement, becomes this node's
+        `me.compute_s`, re-prices its own edges and is sent to the members that price it
+        (`MembershipMixin.compute_changed`); smaller or earlier moves, a node without a stage
+        and a value that is not a positive finite number of seconds change nothing."""
         if not self.alive or self.me.stage < 0 or not 0.0 < compute_s <= MAX_COMPUTE_S:
             return []
         old = self.me.compute_s
-        if abs(compute_s - old) <= COMPUTE_READVERTISE * old:
+        if abs(compute_s - old) <= COMPUTE_READVERTISE * old or now - self.compute_advertised_s < COMPUTE_ADVERT_GAP_S:
             return []
+        self.compute_advertised_s = now
         return self._drain(self.compute_changed(compute_s, now), now)
 
     def on_send_failed(self, to: NodeId, msg: Message, now: float) -> list[Effect]:

@@ -12,7 +12,7 @@ contract of docs/protocol.md without any protocol logic:
 - measured compute: the wall time of every microbatch job (embed, forward, loss, backward,
   embed_backward) feeds `runtime.meter.ComputeMeter`; the stage's estimate goes to
   `core.on_compute_measured` after the job's completion (the core advertises it when it moved
-  enough), so flow costs price this node's real speed instead of the 1 s it starts with;
+  enough), so flow costs price this node's real speed (it starts unmeasured, `UNMEASURED_S`);
   `runtime.compute_slowdown` makes a node that much slower (tests, demos);
 - `reduce` sums the named gradients in the given (sorted replica) order and rescales the sum to
   the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`).
@@ -70,6 +70,12 @@ from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 
 if TYPE_CHECKING:
     from gwtf.runtime.node import NodeIdentity
+
+UNMEASURED_S = 0.0
+"""The compute time a node advertises until it measured its own (`runtime.meter`, a few
+microbatches after it first serves): optimistic, so a replica that has not served yet looks
+fast and gets tried (its first measurement then prices it), instead of a pessimistic guess that
+would keep it unmeasured and idle for good next to a measured slow replica."""
 
 DONE_EVENTS = frozenset({"training_done", "done", "self_stop"})
 CRASH_EVENTS = frozenset({"evict", "leader_lost"})
@@ -139,7 +145,7 @@ class Host:
         self._arrivals = 0  # received tensors so far (a FreeIteration frees only those before it)
         self._arrived: dict[Hashable, int] = {}  # received key -> its arrival number
         self._last_blob: tuple[int, int, np.ndarray] | None = None  # torch thread: the newest checkpoint written
-        self.meter = ComputeMeter(cfg.protocol.ema_alpha)  # torch thread: measured compute (`runtime.meter`)
+        self.meter = ComputeMeter()  # torch thread: measured compute (`runtime.meter`)
         if ident.stage is not None:
             self.worker = self._make_worker(ident.stage)
 
@@ -162,7 +168,7 @@ class Host:
         bootstrap = ident.join is None
         stage = ident.stage if ident.stage is not None else -1
         me = PeerInfo(id=node_id, stage=stage if bootstrap else -1, region=ident.region,
-                      compute_s=1.0, capacity=max(1, cfg.train.microbatches),
+                      compute_s=UNMEASURED_S, capacity=max(1, cfg.train.microbatches),
                       demand=cfg.train.microbatches if ident.role == "data-holder" else 0)
         seed = zlib.crc32(node_id.encode()) ^ cfg.train.seed
         core = RuntimeNodeCore(me, cfg.protocol, train, random.Random(seed))

@@ -3,7 +3,7 @@ measured compute time its advertised `compute_s`, and the members that price it 
 re-price their flow edges with it, so flows leave a replica that turned out slow.
 
 In-memory cores (`core_harness`), one data holder and two relays of stage 1 advertising the same
-placeholder compute time, as runtime nodes do before they measured anything."""
+placeholder compute time (1 s, and the runtime's 0: not measured yet) before they measured anything."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import math
 import random
 from dataclasses import replace
 
+import pytest
 from core_harness import TRAIN, Harness
 
 from gwtf.flow.cost import edge_cost_s
 from gwtf.protocol import messages as m
 from gwtf.protocol.base import Send
-from gwtf.protocol.core import COMPUTE_READVERTISE, NodeCore
+from gwtf.protocol.core import COMPUTE_ADVERT_GAP_S, COMPUTE_READVERTISE, NodeCore
 from gwtf.protocol.flow import FlowAgent
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 from gwtf.protocol.simple_router import GreedyRouter
@@ -27,10 +28,10 @@ TWO_STAGES = replace(TRAIN, stages=2, microbatches=4, iterations=10_000, stage_f
 PLACEHOLDER_S = 1.0
 
 
-def _swarm() -> Harness:
-    nodes = [PeerInfo(id="d0", stage=0, region="r", compute_s=PLACEHOLDER_S, capacity=4, demand=4),
-             PeerInfo(id="a0", stage=1, region="r", compute_s=PLACEHOLDER_S, capacity=4),
-             PeerInfo(id="a1", stage=1, region="r", compute_s=PLACEHOLDER_S, capacity=4)]
+def _swarm(placeholder_s: float = PLACEHOLDER_S) -> Harness:
+    nodes = [PeerInfo(id="d0", stage=0, region="r", compute_s=placeholder_s, capacity=4, demand=4),
+             PeerInfo(id="a0", stage=1, region="r", compute_s=placeholder_s, capacity=4),
+             PeerInfo(id="a1", stage=1, region="r", compute_s=placeholder_s, capacity=4)]
     h = Harness(nodes, TWO_STAGES)
     h.start()
     h.run(10.0)
@@ -81,12 +82,18 @@ def test_a_measured_compute_time_reaches_the_flow_costs_of_the_peers_that_price_
     assert slow.speed_flops_per_s == TWO_STAGES.stage_flops[1] / 4.0
 
 
-def test_flows_leave_the_replica_that_measured_itself_slow() -> None:
-    h = _swarm()
+@pytest.mark.parametrize("placeholder_s", [PLACEHOLDER_S, 0.0])
+def test_flows_leave_the_replica_that_measured_itself_slow(placeholder_s: float) -> None:
+    """With the runtime's placeholder (0: not measured yet) the replica that never served, so
+    never measured, looks fast and takes the flows; then it measures itself (still faster)."""
+    h = _swarm(placeholder_s)
     via = _flows_via(h)
     assert sum(via.values()) == 4, via
     slow, fast = ("a0", "a1") if via["a0"] >= via["a1"] else ("a1", "a0")  # slow down the busier one
     h.apply(slow, h.cores[slow].on_compute_measured(h.now, 4.0))
+    if placeholder_s > 0:
+        h.apply(fast, h.cores[fast].on_compute_measured(h.now, 0.5))
+    h.run(h.now + 60.0, stop=lambda: _flows_via(h)[fast] >= 2)
     h.apply(fast, h.cores[fast].on_compute_measured(h.now, 0.5))
     h.run(h.now + 60.0, stop=lambda: _flows_via(h)[fast] == 4)
     assert _flows_via(h) == {fast: 4, slow: 0}, f"after {h.now:.0f}s of simulated time"
@@ -103,6 +110,16 @@ def test_small_changes_and_nonsense_are_not_advertised() -> None:
     joiner = NodeCore(PeerInfo(id="j0", stage=-1, region="r", compute_s=1.0, capacity=4), h.cfg, TWO_STAGES,
                       random.Random(0))
     assert joiner.on_compute_measured(0.0, 3.0) == []  # no stage yet: nothing measured is its stage's
+
+
+def test_a_node_advertises_at_most_once_per_gap() -> None:
+    h = _swarm()
+    core = h.cores["a1"]
+    assert core.on_compute_measured(h.now, 2.0)
+    assert core.on_compute_measured(h.now + COMPUTE_ADVERT_GAP_S / 2, 4.0) == []  # too soon
+    assert core.me.compute_s == 2.0
+    assert core.on_compute_measured(h.now + COMPUTE_ADVERT_GAP_S, 4.0)
+    assert core.me.compute_s == 4.0
 
 
 def test_a_member_advertising_an_impossible_compute_time_is_refused() -> None:
