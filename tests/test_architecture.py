@@ -168,3 +168,11 @@ def test_no_cycle_between_the_rows() -> None:
     for k in rows:
         if k not in seen:
             visit(k, ["/".join(rows[k].names)])
+
+
+def test_test_file_names_are_unique() -> None:
+    """The test folders are not packages: two test files with one name break collection of the
+    whole default suite ('import file mismatch'; a merge once put test_measured_compute.py in
+    tests/unit/protocol and tests/integration)."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)

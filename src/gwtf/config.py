@@ -116,6 +116,9 @@ class RuntimeConfig:
     # swarm shares it), "per-node" = DIR/nodes/<name>/checkpoints (one host per node, as on several
     # machines: for trying and testing the multi-host restore path on one machine; no --resume)
     checkpoint_folder: Literal["shared", "per-node"] = "shared"
+    # >= 1: this node's microbatch jobs take this many times their real time (the worker sleeps
+    # the difference, and the measured compute time includes it): a slow GPU for tests and demos
+    compute_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.max_frame_bytes >= 2**16, "runtime.max_frame_bytes", "must be >= 65536")
@@ -127,6 +130,7 @@ class RuntimeConfig:
         _require(self.chunk_bytes >= 4096, "runtime.chunk_bytes", "must be >= 4096")
         _require(self.max_transfer_bytes >= self.chunk_bytes, "runtime.max_transfer_bytes", "must be >= runtime.chunk_bytes")
         _require(self.transfer_retries >= 0, "runtime.transfer_retries", "must be >= 0")
+        _require(1.0 <= self.compute_slowdown <= 1000.0, "runtime.compute_slowdown", "must be in [1, 1000]")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,7 +4,7 @@ Fixtures and helpers:
 - `out_dir` + `reap_children`: every test's node processes are killed at teardown (the swarm's
   own `close`, then a psutil sweep of anything this pytest process still has as a child); the
   sweep fails the test if it had to kill something the swarm did not;
-- `make_swarm(...)`: a `Swarm` on configs/swarm-test.toml with extra overrides and faults;
+- `make_swarm(...)`: a `Swarm` on configs/swarm-test.toml with extra overrides, faults and slowed nodes;
 - `finish(swarm, n, timeout_s)`: poll (never sleep to synchronise) until n iterations are
   complete, fail with every node's log tail at the deadline, then check the exactly-once ledger
   from the node logs (`gwtf.runtime.audit`) and return its totals.
@@ -47,10 +47,11 @@ def make_swarm(tmp_path: Path) -> Iterator[MakeSwarm]:
     swarms: list[Swarm] = []
 
     def make(overrides: tuple[str, ...] = (), replicas: int = 2, faults: dict[str, str] | None = None,
-             name: str = "swarm") -> Swarm:
+             name: str = "swarm", slowdowns: dict[str, float] | None = None) -> Swarm:
         cfg = load_config(TEST_CONFIG, list(overrides))
         opts = SwarmOptions(out_dir=tmp_path / name, replicas=replicas, config_path=TEST_CONFIG,
-                            overrides=tuple(overrides), faults=dict(faults or {}))
+                            overrides=tuple(overrides), faults=dict(faults or {}),
+                            slowdowns=dict(slowdowns or {}))
         swarm = Swarm(cfg, opts, say=lambda s: None)
         swarms.append(swarm)
         return swarm

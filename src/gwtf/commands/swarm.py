@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, metavar="K", help="shorthand for --set train.iterations=K")
     parser.add_argument("--resume", action="store_true",
                         help="continue the stopped run in --out from its newest checkpoint complete for all stages")
+    parser.add_argument("--slow", metavar="NODE=FACTOR", action="append", default=[],
+                        help="make one initial node's compute FACTOR (>= 1) times slower, e.g. r1a=4 "
+                             "(runtime.compute_slowdown for that node only; repeatable)")
     parser.add_argument("--timeout-s", type=float, default=0.0, metavar="S",
                         help="give up after S seconds (default: 120 + 30 per iteration)")
     add_secret_argument(parser)
@@ -70,7 +74,28 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
     opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
                         regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume)
-    return cfg, opts
+    return cfg, replace(opts, slowdowns=parse_slowdowns(args.slow, cfg, opts))
+
+
+def parse_slowdowns(specs: list[str], cfg: Config, opts: object) -> dict[str, float]:
+    """`--slow NODE=FACTOR` flags -> {node name: factor}; UserError naming a bad one."""
+    from gwtf.runtime.swarm import SwarmOptions, initial_plans
+
+    assert isinstance(opts, SwarmOptions)
+    names = [p.name for p in initial_plans(cfg, opts)]
+    out: dict[str, float] = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = float("nan")
+        if not sep or not 1.0 <= factor <= 1000.0:
+            raise UserError(f"--slow {spec!r}: expected NODE=FACTOR with FACTOR in [1, 1000], e.g. r1a=4")
+        if name not in names:
+            raise UserError(f"--slow {spec!r}: no initial node {name!r} (nodes: {', '.join(names)})")
+        out[name] = factor
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from enum import StrEnum
@@ -30,7 +31,7 @@ from gwtf.protocol.base import Message, NodeId, Send, log
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.leader import LeaderMixin
 from gwtf.protocol.ledger import CoreState, Effect, Policy, TrainParams
-from gwtf.protocol.membership import MembershipMixin
+from gwtf.protocol.membership import MAX_COMPUTE_S, MembershipMixin
 from gwtf.protocol.messages import record
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 from gwtf.protocol.simple_router import GreedyRouter
@@ -48,7 +49,7 @@ HANDLERS: dict[str, str] = {
     "mem.join": "on_join_request", "mem.welcome": "on_welcome", "mem.sget": "on_state_request",
     "mem.state": "on_state_transfer", "mem.ready": "on_ready", "mem.refetch": "on_refetch",
     "mem.suspect": "on_suspect_notice", "mem.probe": "on_probe", "mem.vote": "on_leader_vote",
-    "mem.term": "on_term_notice",
+    "mem.term": "on_term_notice", "mem.compute": "on_compute_update",
     "agg.start": "on_iter_start", "agg.collect": "on_collect", "agg.report": "on_report",
     "agg.reset": "on_reset", "agg.commit": "on_commit", "agg.grad": "on_grad_share",
     "agg.have": "on_have", "agg.step": "on_step", "agg.rollback": "on_rollback",
@@ -80,8 +81,8 @@ SENDERS: dict[str, Sender] = {
                      "mem.refetch", "mem.up", "mem.down", "mem.evicted", "mem.welcome", "mem.hback",
                      "mem.probe", "mem.move"), Sender.LEADER),
     # to the leader, or between members
-    **dict.fromkeys(("agg.report", "agg.have", "mem.suspect", "mem.leave", "mem.term", "mem.vote"),
-                    Sender.MEMBER),
+    **dict.fromkeys(("agg.report", "agg.have", "mem.suspect", "mem.leave", "mem.term", "mem.vote",
+                     "mem.compute"), Sender.MEMBER),
     # the data plane: activations and gradients come from the stage before or after mine
     **dict.fromkeys(("train.fwd", "train.bwd"), Sender.NEIGHBOUR),
     # acks from the next or previous hop
@@ -104,6 +105,12 @@ _UNKNOWN = object()
 
 RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStart, m.Collect, m.Reset,
             m.MemberUp, m.MemberDown, m.Rollback, m.StateTransfer, m.StateRequest, m.Welcome, m.JoinRequest)
+
+COMPUTE_READVERTISE = 0.1
+"""`on_compute_measured`: a measured compute time is advertised only when it moved by more than
+this fraction of the advertised one (no message per job for noise) ..."""
+COMPUTE_ADVERT_GAP_S = 2.0
+"""... and at least this long after the previous advertisement (the first one is at once)."""
 
 LinkPrior = Callable[[PeerInfo, PeerInfo], LinkEstimate]
 """What a node believes of the link from one node to another before measuring it; a function of
@@ -151,6 +158,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
     fixed_stage: int | None = None  # a joiner keeps this stage instead of the bottleneck stage
     start_members: int = 0  # leader of a fresh swarm: hold iteration 0 until this many members
     start_version: int = 0  # a resumed swarm's first version (its bootstrap node loaded it)
+    compute_advertised_s: float = -math.inf  # when on_compute_measured last advertised (driver time)
 
     def _resume(self, now: float) -> list[Effect]:
         # A fresh or resumed swarm (nothing trained since the start) stays paused until every
@@ -226,6 +234,23 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         if kind in (ComputeKind.IMPORT_STATE, ComputeKind.LOAD_CHECKPOINT) and not self.active:
             return self._drain(out + self.state_failed(kind, now), now)
         return self._drain(out + self.leave(now) + self.stop("compute_failed", now), now)
+
+    def on_compute_measured(self, now: float, compute_s: float) -> list[Effect]:
+        """The driver measured this node's compute seconds per microbatch of its stage (the
+        runtime: a moving average of its stage's job times, `docs/runtime.md`; the simulator
+        never calls it, its nodes keep the compute time they started with). A value that moved
+        by more than `COMPUTE_READVERTISE` (relative) from the one advertised, at least
+        `COMPUTE_ADVERT_GAP_S` after the previous advertisement, becomes this node's
+        `me.compute_s`, re-prices its own edges and is sent to the members that price it
+        (`MembershipMixin.compute_changed`); smaller or earlier moves, a node without a stage
+        and a value that is not a positive finite number of seconds change nothing."""
+        if not self.alive or self.me.stage < 0 or not 0.0 < compute_s <= MAX_COMPUTE_S:
+            return []
+        old = self.me.compute_s
+        if abs(compute_s - old) <= COMPUTE_READVERTISE * old or now - self.compute_advertised_s < COMPUTE_ADVERT_GAP_S:
+            return []
+        self.compute_advertised_s = now
+        return self._drain(self.compute_changed(compute_s, now), now)
 
     def on_send_failed(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
         if not self.alive:

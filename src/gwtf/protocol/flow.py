@@ -109,17 +109,28 @@ class FlowAgent(FlowAnneal):
 
     def on_link_update(self, peer: NodeId, link: LinkEstimate, now: float) -> list[Any]:
         self.now = now
-        if not self._update_link(peer, link):
-            return self._flush()
+        if self._update_link(peer, link):
+            self._repriced(peer)
+        return self._flush()
+
+    def on_compute_update(self, peer: NodeId, compute_s: float, now: float) -> list[Any]:
+        """A measured compute time (mine when `peer` is me): edge costs, the flows through those
+        edges (FlowCost up and down their routes) and my cost adverts follow."""
+        self.now = now
+        if self._update_compute(peer, compute_s):
+            self._repriced(None if peer == self.me.id else peer)
+        return self._flush()
+
+    def _repriced(self, peer: NodeId | None) -> None:
+        """The edge to `peer` (every edge: None) changed cost: the flows over it take it up."""
         for e in self.flows.values():
             if e.pending:
                 continue
-            if e.next == peer:
+            if e.next is not None and (peer is None or e.next == peer):
                 self._set_down(e, e.down_next_s)
-            if e.prev == peer and not self.is_dh:
+            if (peer is None or e.prev == peer) and not self.is_dh:
                 self._set_up(e, e.up_prev_s)
         self._reheat()
-        return self._flush()
 
     def on_message(self, sender: NodeId, msg: Message, now: float) -> list[Any]:
         self.now = now

@@ -13,7 +13,7 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -268,6 +268,24 @@ class FlowCore:
             if nb is not None:
                 nb.link = link
                 nb.cost_s = self._edge_cost(nb.info, link)
+                found = True
+        self._dirty = self.costs_dirty = found
+        return found
+
+    def _update_compute(self, peer: NodeId, compute_s: float) -> bool:
+        """Re-price the edges that use `peer`'s compute time (every edge when `peer` is me);
+        False if the peer is unknown."""
+        mine = peer == self.me.id
+        if mine:
+            self.me = replace(self.me, compute_s=compute_s)
+        found = mine
+        for table in (self.prev_peers, self.same_peers, self.next_peers):
+            for pid, nb in table.items():
+                if pid == peer:
+                    nb.info = replace(nb.info, compute_s=compute_s)
+                elif not mine:
+                    continue
+                nb.cost_s = self._edge_cost(nb.info, nb.link)
                 found = True
         self._dirty = self.costs_dirty = found
         return found

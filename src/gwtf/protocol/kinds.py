@@ -53,6 +53,7 @@ class RecordName(StrEnum):
     CHECKPOINT = "checkpoint"
     CHECKPOINT_FETCHED = "checkpoint_fetched"
     COLLECT = "collect"
+    COMPUTE_ADVERTISED = "compute_advertised"
     COMPUTE_FAILED = "compute_failed"
     CONTRIBUTE = "contribute"
     DECISION = "decision"

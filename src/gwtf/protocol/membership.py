@@ -30,6 +30,7 @@ from gwtf.protocol.ledger import CoreState, Effect, Leg, Origin
 from gwtf.protocol.messages import (
     NONE,
     Compute,
+    ComputeUpdate,
     Evicted,
     Heartbeat,
     HeartbeatAck,
@@ -56,6 +57,7 @@ UNKNOWN_STAGE_LOAD = 1e9  # utilisation reported for a stage with no live replic
 JOIN_TRIES = 8  # JoinRequests a joiner sends (each after a deadline) before it gives up
 STATE_TRIES = 6  # state requests to replicas before a joiner restores from the checkpoint
 STATE_DEADLINE_FACTOR = 4.0  # x the transfer's ack deadline: a state source that took longer failed
+MAX_COMPUTE_S = 1e6  # the largest compute seconds per microbatch a node advertises or is believed
 
 
 def to_tuple(p: PeerInfo) -> PeerTuple:
@@ -345,6 +347,42 @@ class MembershipMixin(CoreState):
         if sender == self.leader:
             self.last_leader_s = now
         return []
+
+    # ---- measured compute (runtime) ----------------------------------------------------
+
+    def compute_changed(self, compute_s: float, now: float) -> list[Effect]:
+        """`NodeCore.on_compute_measured` accepted a new compute time: it becomes `me.compute_s`
+        (and the speed a joiner's stage choice converts it with), the router re-prices my edges,
+        and the members that price me hear it: my previous, same and next stage (their routers'
+        edge costs and annealing) and the data holders (the leader's plans, a new leader's, and
+        the directory a joiner is welcomed with). Not a broadcast: a relay's directory is
+        exactly these; a data holder skips the relays of the stages not next to it."""
+        old = self.me.compute_s
+        self.me = replace(self.me, compute_s=compute_s)
+        if self.me.id in self.directory:
+            self.directory[self.me.id] = self.me
+        self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / compute_s
+        out: list[Effect] = [record(RecordName.COMPUTE_ADVERTISED, node=self.me.id, stage=self.me.stage,
+                                    compute_s=compute_s, previous_s=old)]
+        out += list(self.router.on_compute_update(self.me.id, compute_s, now))
+        msg = ComputeUpdate(compute_s=compute_s)
+        near = ((self.me.stage - 1) % self.S, self.me.stage, (self.me.stage + 1) % self.S, 0)
+        return out + [self.send(pid, msg) for pid in sorted(self.directory)
+                      if pid != self.me.id and self.directory[pid].stage in near]
+
+    def on_compute_update(self, sender: NodeId, msg: ComputeUpdate, now: float) -> list[Effect]:
+        """A member's new compute time: my directory keeps it (so what I tell joiners, and plan
+        as a leader, is current) and my router re-prices its edges to the sender (a no-op for a
+        peer it does not route to). A value that is not a positive finite number of seconds
+        (at most `MAX_COMPUTE_S`) is refused."""
+        info = self.directory.get(sender)
+        if info is None or sender == self.me.id or info.compute_s == msg.compute_s:
+            return []
+        if not 0.0 < msg.compute_s <= MAX_COMPUTE_S:
+            return [record(RecordName.MESSAGE_REFUSED, node=self.me.id, sender=sender, type=msg.TYPE,
+                           reason=f"compute_s {msg.compute_s!r} not in (0, {MAX_COMPUTE_S:g}]")]
+        self._dir_set(replace(info, compute_s=msg.compute_s))
+        return list(self.router.on_compute_update(sender, msg.compute_s, now))
 
     # ---- failures ----------------------------------------------------------------------
 

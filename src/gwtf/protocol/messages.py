@@ -231,6 +231,17 @@ class SuspectNotice(Message):
 
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ComputeUpdate(Message):
+    """A member to the members that price it (its previous, same and next stage, and the data
+    holders): its measured compute seconds per microbatch of its stage changed
+    (`NodeCore.on_compute_measured`; only the runtime measures, the simulator never sends it)."""
+
+    TYPE = "mem.compute"
+    compute_s: float
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LeaderVote(Message):
     """A member that lost the leader `old` votes for the receiver to lead `term` (one vote per
     voter per term; a strict majority of the members other than `old` elects)."""

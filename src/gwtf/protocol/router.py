@@ -8,7 +8,7 @@ whose first element is "flow" / "swarm") through the effects it returns.
 
 Local knowledge only: a router learns neighbours (previous, same and next stage) through
 `on_peer_up`, loses them through `on_peer_down`, and hears measured link quality through
-`on_link_update`. It never sees a global view.
+`on_link_update` and measured compute times through `on_compute_update`. It never sees a global view.
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -61,6 +61,12 @@ class Router(Protocol):
     def on_peer_down(self, peer: NodeId, now: float) -> list[RouterEffect]: ...
 
     def on_link_update(self, peer: NodeId, link: LinkEstimate, now: float) -> list[RouterEffect]: ...
+
+    def on_compute_update(self, peer: NodeId, compute_s: float, now: float) -> list[RouterEffect]:
+        """`peer`'s compute seconds per microbatch changed (my own when `peer` is my id): re-price
+        the edges that use it. Only the runtime measures compute; a peer the router does not
+        know is ignored."""
+        ...
 
     def on_message(self, sender: NodeId, msg: Message, now: float) -> list[RouterEffect]: ...
 

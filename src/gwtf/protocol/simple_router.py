@@ -13,6 +13,7 @@ or time.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from gwtf.flow.cost import edge_cost_s
@@ -65,6 +66,18 @@ class GreedyRouter:
         if entry is not None:
             self._peers[peer] = (entry[0], link)
             self._cost[peer] = self._edge_cost(entry[0], link)
+        return []
+
+    def on_compute_update(self, peer: NodeId, compute_s: float, now: float) -> list[Any]:
+        if peer == self.me.id:
+            self.me = replace(self.me, compute_s=compute_s)
+            self._cost = {pid: self._edge_cost(info, link) for pid, (info, link) in self._peers.items()}
+            return []
+        entry = self._peers.get(peer)
+        if entry is not None:
+            info = replace(entry[0], compute_s=compute_s)
+            self._peers[peer] = (info, entry[1])
+            self._cost[peer] = self._edge_cost(info, entry[1])
         return []
 
     def on_message(self, sender: NodeId, msg: Message, now: float) -> list[Any]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gwtf.config import ProtocolConfig
@@ -126,6 +126,14 @@ class SwarmRouter:
     def on_link_update(self, peer: NodeId, link: LinkEstimate, now: float) -> list[Any]:
         if peer in self._peers:
             self._links[peer] = link
+        return []
+
+    def on_compute_update(self, peer: NodeId, compute_s: float, now: float) -> list[Any]:
+        """A next-stage peer's measured compute time weighs its throughput (`expected_s`)."""
+        if peer == self.me.id:
+            self.me = replace(self.me, compute_s=compute_s)
+        elif peer in self._peers:
+            self._peers[peer] = replace(self._peers[peer], compute_s=compute_s)
         return []
 
     def on_message(self, sender: NodeId, msg: Message, now: float) -> list[Any]:

@@ -9,6 +9,11 @@ contract of docs/protocol.md without any protocol logic:
   import_state, load_checkpoint, export_checkpoint, store_checkpoint, read_checkpoint) and is
   answered with `core.on_compute_done(job_id, now)`;
 - `FreeIteration(t)` drops every tensor whose key's iteration (key[2]) is <= t;
+- measured compute: the wall time of every microbatch job (embed, forward, loss, backward,
+  embed_backward) feeds `runtime.meter.ComputeMeter`; the stage's estimate goes to
+  `core.on_compute_measured` after the job's completion (the core advertises it when it moved
+  enough), so flow costs price this node's real speed (it starts unmeasured, `UNMEASURED_S`);
+  `runtime.compute_slowdown` makes a node that much slower (tests, demos);
 - `reduce` sums the named gradients in the given (sorted replica) order and rescales the sum to
   the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`).
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import zlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -61,10 +67,17 @@ from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.systems import build_core, get_system, iteration_params
 from gwtf.runtime import checkpoints, statefile
+from gwtf.runtime.meter import ComputeMeter, microbatch_kinds
 from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 
 if TYPE_CHECKING:
     from gwtf.runtime.node import NodeIdentity
+
+UNMEASURED_S = 0.0
+"""The compute time a node advertises until it measured its own (`runtime.meter`, a few
+microbatches after it first serves): optimistic, so a replica that has not served yet looks
+fast and gets tried (its first measurement then prices it), instead of a pessimistic guess that
+would keep it unmeasured and idle for good next to a measured slow replica."""
 
 # Records the node process reacts to (each one a record the core emits)
 DONE_EVENTS = frozenset({RecordName.TRAINING_DONE, RecordName.SELF_STOP})  # this node's training is over
@@ -105,6 +118,7 @@ class ComputeResult:
     """What a finished job reports back: records to log (e.g. the loss)."""
 
     records: list[tuple[RecordName, dict[str, Any]]] = field(default_factory=list)
+    compute_s: float | None = None  # a microbatch job: the stage's measured seconds per microbatch so far
 
 
 class Host:
@@ -128,6 +142,7 @@ class Host:
         self._arrivals = 0  # received tensors so far (a FreeIteration frees only those before it)
         self._arrived: dict[Hashable, int] = {}  # received key -> its arrival number
         self._last_blob: tuple[int, int, np.ndarray] | None = None  # torch thread: the newest checkpoint written
+        self.meter = ComputeMeter()  # torch thread: measured compute (`runtime.meter`)
         if ident.stage is not None:
             self.worker = self._make_worker(ident.stage)
 
@@ -150,7 +165,7 @@ class Host:
         bootstrap = ident.join is None
         stage = ident.stage if ident.stage is not None else -1
         me = PeerInfo(id=node_id, stage=stage if bootstrap else -1, region=ident.region,
-                      compute_s=1.0, capacity=max(1, cfg.train.microbatches),
+                      compute_s=UNMEASURED_S, capacity=max(1, cfg.train.microbatches),
                       demand=cfg.train.microbatches if ident.role == "data-holder" else 0)
         seed = zlib.crc32(node_id.encode()) ^ cfg.train.seed
         system = get_system(cfg.protocol.system, cfg.protocol)
@@ -291,9 +306,27 @@ class Host:
         if self.worker is None or self.worker.stage != eff.stage:
             self.worker = self._make_worker(eff.stage)
         self._drain_inbox(self.worker)
+        started = time.perf_counter()
         out = self._run_job(self.worker, eff)
         self._publish(self.worker, eff.outputs)
+        if eff.kind in microbatch_kinds(eff.stage):
+            out.compute_s = self._measure(eff, started)
         return out
+
+    def _measure(self, eff: Compute, started: float) -> float | None:
+        """Torch thread: a microbatch job's wall time (since `started`, its kernels awaited on
+        CUDA) into the meter, after the slowdown of a node slowed for tests and demos
+        (`runtime.compute_slowdown`: it sleeps (factor - 1) x the job's time, and the sleep
+        counts). Returns the stage's estimate (`ComputeMeter.per_microbatch_s`)."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        took_s = time.perf_counter() - started
+        slowdown = self.cfg.runtime.compute_slowdown
+        if slowdown > 1.0:
+            time.sleep((slowdown - 1.0) * took_s)
+            took_s *= slowdown
+        self.meter.add(eff.stage, eff.kind, took_s)
+        return self.meter.per_microbatch_s(eff.stage)
 
     def _run_job(self, w: StageWorker, eff: Compute) -> ComputeResult:
         out = ComputeResult()
@@ -384,7 +417,12 @@ class Host:
         return (RecordName.CHECKPOINT_EXPORTED if exported else RecordName.CHECKPOINT_SERVED), fields
 
     def compute_done(self, eff: Compute, result: ComputeResult, now: float) -> list[Any]:
-        return list(self.core.on_compute_done(eff.job_id, now))
+        """Event loop: the job's completion, then its stage's measured compute time (the core
+        advertises it when it moved enough: `NodeCore.on_compute_measured`)."""
+        out = list(self.core.on_compute_done(eff.job_id, now))
+        if result.compute_s is not None and eff.stage == self.core.me.stage:
+            out += self.core.on_compute_measured(now, result.compute_s)
+        return out
 
     def _step(self, w: StageWorker, eff: Compute) -> dict[str, Any]:
         """Step with the reduced gradient named by the single input key ("rgrad", stage, it, ...)."""

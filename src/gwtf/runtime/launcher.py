@@ -47,6 +47,7 @@ class NodePlan:
     region: str = "local"
     shard: int | None = None  # data holders: which data shard (0..D-1)
     fault: str = ""  # runtime.fault for this node only (chaos tests)
+    slowdown: float = 1.0  # runtime.compute_slowdown for this node only (a slow GPU: tests, demos)
 
 
 @dataclass(slots=True)
@@ -138,6 +139,8 @@ class ProcessGroup:
             cmd += ["--set", text]
         if plan.fault:
             cmd += ["--set", f'runtime.fault="{plan.fault}"']
+        if plan.slowdown != 1.0:
+            cmd += ["--set", f"runtime.compute_slowdown={plan.slowdown!r}"]
         return cmd
 
     def spawn(self, plan: NodePlan, join: str | None = None) -> NodeProcess:

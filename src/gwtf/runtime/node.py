@@ -442,6 +442,7 @@ class NodeRuntime:
             "node": self.node_id, "name": self.ident.name, "role": self.ident.role,
             "stage": host.stage if host else self.ident.stage, "region": self.ident.region, "state": self.state,
             "in_flight": host.in_flight() if host else 0, "pid": os.getpid(), **self.stats,
+            "compute_s": host.core.me.compute_s if host else None,  # advertised (measured once warm)
             "stop_reason": self.stop_reason,
             "time_s": round(time.monotonic() - self.started_s, 3),
         })

@@ -53,6 +53,7 @@ class SwarmOptions:
     config_path: str | None = None
     overrides: tuple[str, ...] = ()
     faults: dict[str, str] = field(default_factory=dict)  # node name -> runtime.fault
+    slowdowns: dict[str, float] = field(default_factory=dict)  # node name -> runtime.compute_slowdown
     resume: bool = False  # continue the run in out_dir from its newest complete checkpoint
 
 
@@ -63,12 +64,13 @@ def initial_plans(cfg: Config, opts: SwarmOptions) -> list[NodePlan]:
     for d in range(cfg.train.data_holders):
         name = f"dh{d}"
         plans.append(NodePlan(name=name, role="data-holder", stage="0", shard=d,
-                              region=rng.choice(opts.regions), fault=opts.faults.get(name, "")))
+                              region=rng.choice(opts.regions), fault=opts.faults.get(name, ""),
+                              slowdown=opts.slowdowns.get(name, 1.0)))
     for k in range(1, cfg.model.stages):
         for r in range(opts.replicas):
             name = f"r{k}{chr(ord('a') + r)}"
             plans.append(NodePlan(name=name, role="relay", stage=str(k), region=rng.choice(opts.regions),
-                                  fault=opts.faults.get(name, "")))
+                                  fault=opts.faults.get(name, ""), slowdown=opts.slowdowns.get(name, 1.0)))
     return plans
 
 
