@@ -34,6 +34,8 @@ COMMANDS: dict[str, str] = {
     "node": "run one node process (relay or data holder) over TCP",
     "swarm": "start a local swarm of node processes on loopback",
     "secret": "create a swarm secret file (gwtf secret new PATH)",
+    "generate": "generate text from a trained checkpoint (local or swarm), streamed",
+    "export": "export a trained checkpoint as a Hugging Face folder (GPT-2 or Llama)",
 }
 
 

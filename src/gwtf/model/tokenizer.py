@@ -101,6 +101,10 @@ class BpeTokenizer:
         self._inner.save(str(tmp))  # type: ignore[attr-defined]
         os.replace(tmp, p)
 
+    def to_json(self) -> str:
+        """The `tokenizers` pipeline as JSON text (what `save` writes; tokenizer.json of an export)."""
+        return str(self._inner.to_str())  # type: ignore[attr-defined]
+
     @property
     def trained_vocab_size(self) -> int:
         return int(self._inner.get_vocab_size())  # type: ignore[attr-defined]
