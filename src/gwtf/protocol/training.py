@@ -231,6 +231,11 @@ class TrainingMixin(CoreState):
             if o is None:
                 return []
             out.append(self.send(sender, BackAck(mb=msg.mb)))
+            if o.phase == "embed_bwd":
+                # a second gradient while the embedding backward runs (an aggregation redo's and
+                # the original one): its saved graph is back-propagated once; the job's end
+                # sends the final ack and counts the microbatch
+                return out
             o.phase = "embed_bwd"
             out.append(self.cancel(("gget", o.mb)))
             flops = EMBED_BWD * self.train.stage_flops[0]
