@@ -166,7 +166,7 @@ class AggregationMixin(CoreState):
     def on_iter_start(self, sender: NodeId, msg: IterStart, now: float) -> list[Effect]:
         self.leader = msg.leader
         self.last_leader_s = now
-        if not self.active or getattr(self, "started_iter", NONE) == msg.iteration:
+        if not self.active or self.started_iter == msg.iteration:
             return []
         self.started_iter = msg.iteration
         self.dh_reported_done = False
@@ -201,11 +201,11 @@ class AggregationMixin(CoreState):
 
     def _report(self, dh_done: bool = False) -> Report:
         mine = tuple(sorted((mb[0], mb[2]) for mb in self.contributed if mb[1] == self.iteration))
-        started = tuple(range(getattr(self, "dh_started", 0))) if self.me.stage == 0 else ()
-        done = self.me.stage == 0 and getattr(self, "dh_reported_done", False)
+        started = tuple(range(self.dh_started)) if self.me.stage == 0 else ()
+        done = self.me.stage == 0 and self.dh_reported_done
         return Report(term=self.term, iteration=self.iteration, version=self.version, stage=self.me.stage, contributed=mine,
                       dh_done=done or dh_done, dh_completed=started if (done or dh_done) else (),
-                      have_round=getattr(self, "have_round", NONE))
+                      have_round=self.have_round)
 
     def on_collect(self, sender: NodeId, msg: Collect, now: float) -> list[Effect]:
         self.leader = msg.leader
@@ -225,7 +225,7 @@ class AggregationMixin(CoreState):
         return [self.send(self.leader, self._report(dh_done=True))] if self.leader else []
 
     def after_contribution(self, now: float) -> list[Effect]:
-        if getattr(self, "reported", False) and self.leader:
+        if self.reported and self.leader:
             return [self.send(self.leader, self._report())]
         return []
 

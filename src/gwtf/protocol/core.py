@@ -30,10 +30,10 @@ from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.leader import LeaderMixin
-from gwtf.protocol.ledger import CoreState, Effect, Policy, TrainParams
+from gwtf.protocol.ledger import CoreState, Effect, LinkPrior, Policy, TrainParams
 from gwtf.protocol.membership import MAX_COMPUTE_S, MembershipMixin
 from gwtf.protocol.messages import record
-from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
+from gwtf.protocol.router import PeerInfo, Router
 from gwtf.protocol.simple_router import GreedyRouter
 from gwtf.protocol.training import TrainingMixin
 from gwtf.protocol.view import Roster
@@ -112,7 +112,6 @@ this fraction of the advertised one (no message per job for noise) ..."""
 COMPUTE_ADVERT_GAP_S = 2.0
 """... and at least this long after the previous advertisement (the first one is at once)."""
 
-LinkPrior = Callable[[PeerInfo, PeerInfo], LinkEstimate]
 """What a node believes of the link from one node to another before measuring it; a function of
 the two nodes' regions (the simulator's region table), which the leader's planning relies on."""
 
@@ -411,7 +410,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         return []
 
     def _known(self, peer: NodeId) -> bool:
-        return peer in self.directory or peer == self.leader or peer in getattr(self, "pending_joiners", ())
+        return peer in self.directory or peer == self.leader or peer in self.pending_joiners
 
     def _schedule_resend(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
         """Control messages to a live member are retried until it is declared dead."""

@@ -88,14 +88,12 @@ class LeaderState:
 class LeaderMixin(CoreState):
     """Leader behaviour (see the module docstring); inert unless `is_leader`."""
 
-    is_leader: bool = False
-
     lead: LeaderState  # this node's leadership: set by leader_init, read only while is_leader
 
     def leader_init(self, now: float, recovering: bool) -> list[Effect]:
         self.is_leader = True
         # a new leader's rounds must not collide with commits the old one may have sent
-        seen = max(getattr(self, "have_round", NONE), getattr(getattr(self, "commit", None), "round", NONE))
+        seen = max(self.have_round, self.commit.round if self.commit is not None else NONE)
         prev: LeaderState | None = getattr(self, "lead", None)
         last = prev.round if prev is not None else 0
         self.lead = LeaderState(term=self.term, t=self.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
@@ -180,7 +178,7 @@ class LeaderMixin(CoreState):
                 if info is not None and heard is not None and heard >= horizon and self.lead.phase == Phase.PAUSED \
                         and j not in self.directory:
                     self.lead.waiting.discard(j)
-                    self.pending_joiners.discard(j)  # type: ignore[attr-defined]
+                    self.pending_joiners.discard(j)
                     out += self._activate(j, info, now, version)
             return out
         return []
@@ -372,7 +370,7 @@ class LeaderMixin(CoreState):
         if not self.is_leader or self.lead.reassigned.get(sender, msg.stage) != msg.stage:
             return []
         self.lead.reassigned.pop(sender, None)
-        self.pending_joiners.discard(sender)  # type: ignore[attr-defined]
+        self.pending_joiners.discard(sender)
         self.last_hb[sender] = now
         if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):
             return self._activate(sender, from_tuple(msg.peer), now, msg.version)
@@ -381,7 +379,7 @@ class LeaderMixin(CoreState):
             self.lead.refetches.pop(sender, None)
             out = self._activate(sender, from_tuple(msg.peer), now)
             return out + (self._begin(self.lead.t, now) if not self.lead.admitting else [])
-        self.pending_joiners.add(sender)  # type: ignore[attr-defined]
+        self.pending_joiners.add(sender)
         self.lead.waiting.add(sender)
         self.lead.ready[sender] = (from_tuple(msg.peer), msg.version)
         return []

@@ -71,8 +71,6 @@ def from_tuple(t: PeerTuple) -> PeerInfo:
 class MembershipMixin(CoreState):
     """Directory, heartbeats, eviction, leader failover, join, leave, state transfer."""
 
-    is_leader: bool = False
-
     def membership_start(self, now: float, known: list[PeerInfo] | Roster) -> list[Effect]:
         self.last_leader_s = now
         members: Sequence[PeerInfo] = known.members if isinstance(known, Roster) else known
@@ -625,7 +623,7 @@ class MembershipMixin(CoreState):
         self.directory = {i.id: i for i in members}  # what a policy's stage choice may look at (SWARM)
         stage = self.choose_join_stage(util)
         self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / self.speed_flops_per_s)
-        factory = getattr(self, "router_factory", None)
+        factory = self.router_factory
         if factory is not None:
             self.router = factory(self.me)
         else:

@@ -63,7 +63,7 @@ class RebalanceMixin(CoreState):
         driver's clock epoch) and no join (or previous move) is under way."""
         if period_s <= 0 or now - max(self.last_rebalance_s, self.started_s) < period_s:
             return False
-        if getattr(self, "pending_joiners", None) or getattr(getattr(self, "lead", None), "waiting", None):
+        if self.pending_joiners or getattr(getattr(self, "lead", None), "waiting", None):
             return False
         self.last_rebalance_s = now
         return True
@@ -80,7 +80,7 @@ class RebalanceMixin(CoreState):
         link to p) without a prior. A prior is a function of the two regions (`core.LinkPrior`),
         so the others are counted per region: O(N x regions) per call, not O(N^2) (a 10,000-node
         leader plans every period). Summed with `math.fsum`, so the order does not matter."""
-        prior = getattr(self, "link_prior", None)
+        prior = self.link_prior
         if prior is None or len(members) < 2:
             return {p.id: f(self.link(p.id)) for p in members}
         count: dict[str, int] = {}
@@ -112,7 +112,7 @@ class RebalanceMixin(CoreState):
 
     def on_stage_move(self, sender: NodeId, msg: StageMove, now: float) -> list[Effect]:
         """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
-        if self.me.stage < 1 or not self.active or getattr(self, "is_leader", False) \
+        if self.me.stage < 1 or not self.active or self.is_leader \
                 or not 1 <= msg.stage < self.S:
             return []
         event = RecordName.SWARM_MOVE if msg.TYPE.startswith("swarm.") else RecordName.STAGE_MOVE

@@ -53,7 +53,6 @@ class TrainingMixin(CoreState):
 
     def dh_start_iteration(self, now: float) -> list[Effect]:
         self.dh_started = 0
-        self.rt_ema_s: float = getattr(self, "rt_ema_s", 0.0)
         return self._dh_fill(now)
 
     def _dh_fill(self, now: float) -> list[Effect]:
