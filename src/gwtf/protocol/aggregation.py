@@ -27,7 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gwtf.protocol import messages as msgs
 from gwtf.protocol.base import IdentityMemo, NodeId, log
+from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import CoreState, Effect
 from gwtf.protocol.messages import (
@@ -163,6 +165,7 @@ class AggregationMixin(CoreState):
 
     # ---- replica side ------------------------------------------------------------------
 
+    @handles(msgs.IterStart, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_iter_start(self, sender: NodeId, msg: IterStart, now: float) -> list[Effect]:
         self.leader = msg.leader
         self.last_leader_s = now
@@ -207,6 +210,7 @@ class AggregationMixin(CoreState):
                       dh_done=done or dh_done, dh_completed=started if (done or dh_done) else (),
                       have_round=self.have_round)
 
+    @handles(msgs.Collect, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_collect(self, sender: NodeId, msg: Collect, now: float) -> list[Effect]:
         self.leader = msg.leader
         self.last_leader_s = now
@@ -229,6 +233,7 @@ class AggregationMixin(CoreState):
             return [self.send(self.leader, self._report())]
         return []
 
+    @handles(msgs.Reset, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_reset(self, sender: NodeId, msg: Reset, now: float) -> list[Effect]:
         if msg.iteration != self.iteration:
             return []
@@ -238,6 +243,7 @@ class AggregationMixin(CoreState):
                 Compute(job, ComputeKind.RESET_GRAD, self.me.stage, None, 0.0),
                 self.send(sender, self._report())]
 
+    @handles(msgs.Commit, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_commit(self, sender: NodeId, msg: Commit, now: float) -> list[Effect]:
         """Gather-reduce-broadcast: contributors send their gradient to the stage's reducer (the
         lowest-id replica), which sums them in sorted replica order and sends the mean back
@@ -282,6 +288,7 @@ class AggregationMixin(CoreState):
         return [self.send_booked(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
                                                          size_bytes=size), now)]
 
+    @handles(msgs.GradShare, sender=Sender.REPLICA)
     def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
         if msg.iteration != self.iteration:
             return []
@@ -337,6 +344,7 @@ class AggregationMixin(CoreState):
             out += [self.send_booked(r, msg, now) for r in children]
         return out
 
+    @handles(msgs.Step, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_step(self, sender: NodeId, msg: Step, now: float) -> list[Effect]:
         if msg.iteration != self.iteration or self.version != msg.iteration:
             return []
@@ -383,6 +391,7 @@ class AggregationMixin(CoreState):
                            version=it + 1, contributors=contributors), FreeIteration(it)]
         return []
 
+    @handles(msgs.Rollback, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_rollback(self, sender: NodeId, msg: Rollback, now: float) -> list[Effect]:
         held = self.version == msg.version  # our weights are that version already (e.g. a joiner
         # that just imported it): nothing to load, and our own disk may not even hold it

@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from gwtf.protocol import messages as msgs
 from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId, log
+from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import CoreState, Effect
 from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, from_tuple, to_tuple
@@ -201,6 +203,7 @@ class LeaderMixin(CoreState):
                     self.send(j, Refetch(term=self.term, iteration=self.lead.t, stage=stage))]
         return out
 
+    @handles(msgs.Report, sender=Sender.MEMBER, fence=Fence.TO_LEADER)
     def on_report(self, sender: NodeId, msg: Report, now: float) -> list[Effect]:
         if not self.is_leader or sender not in self.directory:
             return []
@@ -311,6 +314,7 @@ class LeaderMixin(CoreState):
             return True
         return pid in d.pos and not set(tree_children(d, pid, self.cfg.reduce_fanout)) <= self.lead.haves
 
+    @handles(msgs.Have, sender=Sender.MEMBER, fence=Fence.TO_LEADER)
     def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
         if not self.is_leader or self.lead.phase != Phase.COMMIT or msg.round != self.lead.round:
             return []
@@ -366,6 +370,7 @@ class LeaderMixin(CoreState):
                 return [log("warning", "stalled", reason=f"stage {empty[0]} has no node")]
         return []
 
+    @handles(msgs.Ready, sender=Sender.ANYONE)
     def on_ready(self, sender: NodeId, msg: Ready, now: float) -> list[Effect]:
         if not self.is_leader or self.lead.reassigned.get(sender, msg.stage) != msg.stage:
             return []

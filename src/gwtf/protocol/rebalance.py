@@ -30,6 +30,7 @@ from typing import Any
 
 from gwtf.protocol.base import Message, NodeId, message
 from gwtf.protocol.core import NodeCore
+from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import CoreState, Effect, Policy
 from gwtf.protocol.messages import LeaveNotice, record
@@ -103,13 +104,7 @@ class RebalanceMixin(CoreState):
             out[p.id] = math.fsum(terms) / (len(members) - 1)
         return out
 
-    @classmethod
-    def _resolve_handler(cls, mcls: type) -> Any:
-        """A `StageMove` (and SWARM's, whose TYPE is a router's) is ours, not the router's."""
-        if issubclass(mcls, StageMove):
-            return cls.on_stage_move
-        return super()._resolve_handler(mcls)  # type: ignore[misc]
-
+    @handles(StageMove, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_stage_move(self, sender: NodeId, msg: StageMove, now: float) -> list[Effect]:
         """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
         if self.me.stage < 1 or not self.active or self.is_leader \
