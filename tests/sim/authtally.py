@@ -1,4 +1,4 @@
-"""Long mode for the core's authorization table (`protocol.core.SENDERS`, docs/protocol.md):
+"""Long mode for the core's authorization table (the `@handles(..., sender=)` rules, `protocol.dispatch`; docs/protocol.md):
 run seeded fault schedules and tally every `unauthorized` record by message type, rule, and
 whether the refused sender was a live member in the leader's directory at that moment (a
 refusal of a live member is a rule too strict for honest traffic).

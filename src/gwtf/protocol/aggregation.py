@@ -27,7 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gwtf.protocol import messages as msgs
 from gwtf.protocol.base import IdentityMemo, NodeId, log
+from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import CoreState, Effect
 from gwtf.protocol.messages import (
@@ -163,10 +165,11 @@ class AggregationMixin(CoreState):
 
     # ---- replica side ------------------------------------------------------------------
 
+    @handles(msgs.IterStart, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_iter_start(self, sender: NodeId, msg: IterStart, now: float) -> list[Effect]:
         self.leader = msg.leader
         self.last_leader_s = now
-        if not self.active or getattr(self, "started_iter", NONE) == msg.iteration:
+        if not self.active or self.started_iter == msg.iteration:
             return []
         self.started_iter = msg.iteration
         self.dh_reported_done = False
@@ -201,12 +204,13 @@ class AggregationMixin(CoreState):
 
     def _report(self, dh_done: bool = False) -> Report:
         mine = tuple(sorted((mb[0], mb[2]) for mb in self.contributed if mb[1] == self.iteration))
-        started = tuple(range(getattr(self, "dh_started", 0))) if self.me.stage == 0 else ()
-        done = self.me.stage == 0 and getattr(self, "dh_reported_done", False)
+        started = tuple(range(self.dh_started)) if self.me.stage == 0 else ()
+        done = self.me.stage == 0 and self.dh_reported_done
         return Report(term=self.term, iteration=self.iteration, version=self.version, stage=self.me.stage, contributed=mine,
                       dh_done=done or dh_done, dh_completed=started if (done or dh_done) else (),
-                      have_round=getattr(self, "have_round", NONE))
+                      have_round=self.have_round)
 
+    @handles(msgs.Collect, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_collect(self, sender: NodeId, msg: Collect, now: float) -> list[Effect]:
         self.leader = msg.leader
         self.last_leader_s = now
@@ -225,10 +229,11 @@ class AggregationMixin(CoreState):
         return [self.send(self.leader, self._report(dh_done=True))] if self.leader else []
 
     def after_contribution(self, now: float) -> list[Effect]:
-        if getattr(self, "reported", False) and self.leader:
+        if self.reported and self.leader:
             return [self.send(self.leader, self._report())]
         return []
 
+    @handles(msgs.Reset, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_reset(self, sender: NodeId, msg: Reset, now: float) -> list[Effect]:
         if msg.iteration != self.iteration:
             return []
@@ -238,6 +243,7 @@ class AggregationMixin(CoreState):
                 Compute(job, ComputeKind.RESET_GRAD, self.me.stage, None, 0.0),
                 self.send(sender, self._report())]
 
+    @handles(msgs.Commit, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_commit(self, sender: NodeId, msg: Commit, now: float) -> list[Effect]:
         """Gather-reduce-broadcast: contributors send their gradient to the stage's reducer (the
         lowest-id replica), which sums them in sorted replica order and sends the mean back
@@ -282,6 +288,7 @@ class AggregationMixin(CoreState):
         return [self.send_booked(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
                                                          size_bytes=size), now)]
 
+    @handles(msgs.GradShare, sender=Sender.REPLICA)
     def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
         if msg.iteration != self.iteration:
             return []
@@ -337,6 +344,7 @@ class AggregationMixin(CoreState):
             out += [self.send_booked(r, msg, now) for r in children]
         return out
 
+    @handles(msgs.Step, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_step(self, sender: NodeId, msg: Step, now: float) -> list[Effect]:
         if msg.iteration != self.iteration or self.version != msg.iteration:
             return []
@@ -383,6 +391,7 @@ class AggregationMixin(CoreState):
                            version=it + 1, contributors=contributors), FreeIteration(it)]
         return []
 
+    @handles(msgs.Rollback, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_rollback(self, sender: NodeId, msg: Rollback, now: float) -> list[Effect]:
         held = self.version == msg.version  # our weights are that version already (e.g. a joiner
         # that just imported it): nothing to load, and our own disk may not even hold it

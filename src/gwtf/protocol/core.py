@@ -21,84 +21,24 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from enum import StrEnum
 from typing import Any
 
 from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
 from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
+from gwtf.protocol.dispatch import Fence, Route, Sender, router_route, routes_of
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.leader import LeaderMixin
-from gwtf.protocol.ledger import CoreState, Effect, Policy, TrainParams
+from gwtf.protocol.ledger import CoreState, Effect, LinkPrior, Policy, TrainParams
 from gwtf.protocol.membership import MAX_COMPUTE_S, MembershipMixin
 from gwtf.protocol.messages import record
-from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
+from gwtf.protocol.router import PeerInfo, Router
 from gwtf.protocol.simple_router import GreedyRouter
 from gwtf.protocol.training import TrainingMixin
 from gwtf.protocol.view import Roster
 
-__all__ = ["NodeCore", "Policy", "SENDERS", "Sender", "TrainParams", "make_router"]
-
-HANDLERS: dict[str, str] = {
-    "train.fwd": "on_forward", "train.got": "on_got", "train.passed": "on_passed", "train.bwd": "on_backward",
-    "train.back": "on_backack", "train.redo": "on_redo", "train.redoack": "on_redoack",
-    "train.gget": "on_gradrequest",
-    "mem.hb": "on_heartbeat", "mem.hback": "on_heartbeat_ack", "mem.up": "on_member_up",
-    "mem.down": "on_member_down", "mem.evicted": "on_evicted", "mem.leave": "on_leave_notice",
-    "mem.join": "on_join_request", "mem.welcome": "on_welcome", "mem.sget": "on_state_request",
-    "mem.state": "on_state_transfer", "mem.ready": "on_ready", "mem.refetch": "on_refetch",
-    "mem.suspect": "on_suspect_notice", "mem.probe": "on_probe", "mem.vote": "on_leader_vote",
-    "mem.term": "on_term_notice", "mem.compute": "on_compute_update",
-    "agg.start": "on_iter_start", "agg.collect": "on_collect", "agg.report": "on_report",
-    "agg.reset": "on_reset", "agg.commit": "on_commit", "agg.grad": "on_grad_share",
-    "agg.have": "on_have", "agg.step": "on_step", "agg.rollback": "on_rollback",
-}
-
-FROM_LEADER: tuple[type, ...] = (m.IterStart, m.Collect, m.Commit, m.Step, m.Reset, m.Rollback, m.Refetch,
-                                 m.MemberUp, m.MemberDown, m.Evicted, m.Welcome, m.HeartbeatAck, m.Probe)
-"""Control messages only the current term's leader may send (and `rebalance.StageMove`)."""
-TO_LEADER: tuple[type, ...] = (m.Report, m.Have, m.Heartbeat)
-"""Messages to the leader that carry the sender's term (a newer one deposes the receiver)."""
-
-
-
-class Sender(StrEnum):
-    """Who may send a message type (`SENDERS`); `NodeCore.authorized` checks it before any
-    handler runs, in both drivers. A member is a node in my directory (or my leader); a joiner
-    not yet active accepts its contact's word, since it has no directory yet."""
-
-    LEADER = "the current term's leader"  # and the term fence (`MembershipMixin.fence`)
-    MEMBER = "a member"
-    NEIGHBOUR = "a member of an adjacent stage"
-    REPLICA = "a member of my stage"
-    ANYONE = "any authenticated peer"  # the handler checks who it is (a joiner, a state source)
-
-
-SENDERS: dict[str, Sender] = {
-    # control: the current term's leader only (the fence also checks the term)
-    **dict.fromkeys(("agg.start", "agg.collect", "agg.commit", "agg.step", "agg.reset", "agg.rollback",
-                     "mem.refetch", "mem.up", "mem.down", "mem.evicted", "mem.welcome", "mem.hback",
-                     "mem.probe", "mem.move"), Sender.LEADER),
-    # to the leader, or between members
-    **dict.fromkeys(("agg.report", "agg.have", "mem.suspect", "mem.leave", "mem.term", "mem.vote",
-                     "mem.compute"), Sender.MEMBER),
-    # the data plane: activations and gradients come from the stage before or after mine
-    **dict.fromkeys(("train.fwd", "train.bwd"), Sender.NEIGHBOUR),
-    # acks from the next or previous hop
-    **dict.fromkeys(("train.got", "train.passed", "train.back"), Sender.MEMBER),
-    # recovery jumps stages (a relay's directory keeps only its own and adjacent stages): the
-    # handler checks each against the microbatch's own record (path, cache, redo start)
-    **dict.fromkeys(("train.redo", "train.redoack", "train.gget"), Sender.ANYONE),
-    "agg.grad": Sender.REPLICA,  # gradient shares: replicas of my stage
-    # joiners, and messages whose handler checks the sender itself
-    **dict.fromkeys(("mem.join", "mem.sget", "mem.ready", "mem.hb", "mem.state"), Sender.ANYONE),
-    # a new member's adverts may arrive before its MemberUp: the router keeps a bounded few
-    "flow.advert": Sender.ANYONE,
-}
-"""Every message type a core handles and who may send it; "flow." and "swarm." router
-messages are `ROUTER_SENDER` (tests/unit/protocol/test_authorization.py checks it is complete)."""
-ROUTER_SENDER = Sender.MEMBER
+__all__ = ["NodeCore", "Policy", "Sender", "TrainParams", "make_router", "message_routes"]
 
 _ROUTER = object()  # dispatch marks: the router's message, or a message nobody handles
 _UNKNOWN = object()
@@ -112,7 +52,6 @@ this fraction of the advertised one (no message per job for noise) ..."""
 COMPUTE_ADVERT_GAP_S = 2.0
 """... and at least this long after the previous advertisement (the first one is at once)."""
 
-LinkPrior = Callable[[PeerInfo, PeerInfo], LinkEstimate]
 """What a node believes of the link from one node to another before measuring it; a function of
 the two nodes' regions (the simulator's region table), which the leader's planning relies on."""
 
@@ -265,27 +204,26 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
 
     # ---- dispatch ----------------------------------------------------------------------
 
-    _dispatch: dict[type, Any] = {}  # per concrete class: message class -> handler (_resolve_handler)
+    _routes: dict[type, Route] = {}  # per concrete class: message class -> route (dispatch.routes_of)
+    _dispatch: dict[type, tuple[Any, Sender | None, Fence]] = {}  # ... resolved once: (handler, rule, fence)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls._routes = routes_of(cls)
         cls._dispatch = {}
-        cls._fences = {}
-        cls._senders = {}
-
-    _fences: dict[type, int] = {}  # per concrete class: message class -> 0 none, 1 from a leader, 2 to one
-
-    _senders: dict[type, Sender | None] = {}  # per concrete class: message class -> who may send it
 
     @classmethod
-    def _sender_rule(cls, mcls: type) -> Sender | None:
-        t = getattr(mcls, "TYPE", "")
-        if t in SENDERS:
-            return SENDERS[t]
-        return ROUTER_SENDER if t.startswith(("flow.", "swarm.")) else None
+    def _resolve(cls, mcls: type) -> tuple[Any, Sender | None, Fence]:
+        """(handler, who may send it, term check) of a message class: a core part's handler
+        (`@handles`), the router's ("flow."/"swarm." messages nobody claims) or unknown."""
+        route = cls._routes.get(mcls) or router_route(mcls)
+        if route is None:
+            return _UNKNOWN, None, Fence.NONE
+        fn = _ROUTER if route.handler is None else getattr(cls, route.handler)
+        return fn, route.sender, route.fence
 
     def authorized(self, sender: NodeId, rule: Sender | None) -> bool:
-        """May `sender` send a message of `rule`'s kind to me now? (`SENDERS`)"""
+        """May `sender` send a message of `rule`'s kind to me now? (`dispatch.Sender`)"""
         if rule is None or rule is Sender.ANYONE or rule is Sender.LEADER or sender == self.me.id:
             return True  # LEADER: the fence decides, with the term
         info = self.directory.get(sender)
@@ -297,24 +235,6 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             return info.stage == self.me.stage
         return info.stage in ((self.me.stage - 1) % self.S, (self.me.stage + 1) % self.S)
 
-    @classmethod
-    def _fence_kind(cls, mcls: type) -> int:
-        from gwtf.protocol.rebalance import StageMove
-
-        if issubclass(mcls, FROM_LEADER) or issubclass(mcls, StageMove):
-            return 1
-        return 2 if issubclass(mcls, TO_LEADER) else 0
-
-    @classmethod
-    def _resolve_handler(cls, mcls: type) -> Any:
-        """The handler of a message class, looked up once per (core class, message class):
-        `_ROUTER` for "flow."/"swarm." messages, the method HANDLERS names, or `_UNKNOWN`."""
-        t = getattr(mcls, "TYPE", "")
-        if t.startswith(("flow.", "swarm.")):
-            return _ROUTER
-        name = HANDLERS.get(t)
-        return getattr(cls, name) if name is not None else _UNKNOWN
-
     def _handle(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
         out: list[Effect] = []
         if sender in self.suspects:
@@ -324,23 +244,17 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
                 out += list(self.router.on_peer_up(info, self.link(sender), now))
         mcls = type(msg)
         try:
-            rule = self._senders[mcls]
+            fn, rule, fence = self._dispatch[mcls]
         except KeyError:
-            rule = self._senders[mcls] = self._sender_rule(mcls)
+            fn, rule, fence = self._dispatch[mcls] = self._resolve(mcls)
         if not self.authorized(sender, rule):
             return out + [record(RecordName.UNAUTHORIZED, node=self.me.id, sender=sender, type=msg.TYPE,
                                  allowed=str(rule))]
-        fence = self._fences.get(mcls)
-        if fence is None:
-            fence = self._fences[mcls] = self._fence_kind(mcls)
         if fence:
-            accept, said = self.fence(sender, msg.term, fence == 1, now)  # type: ignore[attr-defined]
+            accept, said = self.fence(sender, msg.term, fence is Fence.FROM_LEADER, now)  # type: ignore[attr-defined]
             out += said
             if not accept:
                 return out
-        fn = self._dispatch.get(mcls)
-        if fn is None:
-            fn = self._dispatch[mcls] = self._resolve_handler(mcls)
         if fn is _ROUTER:
             out.extend(self.router.on_message(sender, msg, now))
             return out
@@ -411,7 +325,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         return []
 
     def _known(self, peer: NodeId) -> bool:
-        return peer in self.directory or peer == self.leader or peer in getattr(self, "pending_joiners", ())
+        return peer in self.directory or peer == self.leader or peer in self.pending_joiners
 
     def _schedule_resend(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
         """Control messages to a live member are retried until it is declared dead."""
@@ -426,3 +340,11 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         if entry is None or not self._known(entry[0]):
             return []
         return [self.send(entry[0], entry[1])]
+
+
+NodeCore._routes = routes_of(NodeCore)  # subclasses: __init_subclass__
+
+
+def message_routes(core: type[NodeCore] = NodeCore) -> dict[type, Route]:
+    """Every message class a core class handles and its route (docs, tests, tests/sim/authtally.py)."""
+    return dict(core._routes)

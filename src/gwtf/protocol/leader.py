@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from gwtf.protocol import messages as msgs
 from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId, log
+from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import CoreState, Effect
 from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, from_tuple, to_tuple
@@ -88,14 +90,12 @@ class LeaderState:
 class LeaderMixin(CoreState):
     """Leader behaviour (see the module docstring); inert unless `is_leader`."""
 
-    is_leader: bool = False
-
     lead: LeaderState  # this node's leadership: set by leader_init, read only while is_leader
 
     def leader_init(self, now: float, recovering: bool) -> list[Effect]:
         self.is_leader = True
         # a new leader's rounds must not collide with commits the old one may have sent
-        seen = max(getattr(self, "have_round", NONE), getattr(getattr(self, "commit", None), "round", NONE))
+        seen = max(self.have_round, self.commit.round if self.commit is not None else NONE)
         prev: LeaderState | None = getattr(self, "lead", None)
         last = prev.round if prev is not None else 0
         self.lead = LeaderState(term=self.term, t=self.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
@@ -180,7 +180,7 @@ class LeaderMixin(CoreState):
                 if info is not None and heard is not None and heard >= horizon and self.lead.phase == Phase.PAUSED \
                         and j not in self.directory:
                     self.lead.waiting.discard(j)
-                    self.pending_joiners.discard(j)  # type: ignore[attr-defined]
+                    self.pending_joiners.discard(j)
                     out += self._activate(j, info, now, version)
             return out
         return []
@@ -203,6 +203,7 @@ class LeaderMixin(CoreState):
                     self.send(j, Refetch(term=self.term, iteration=self.lead.t, stage=stage))]
         return out
 
+    @handles(msgs.Report, sender=Sender.MEMBER, fence=Fence.TO_LEADER)
     def on_report(self, sender: NodeId, msg: Report, now: float) -> list[Effect]:
         if not self.is_leader or sender not in self.directory:
             return []
@@ -313,6 +314,7 @@ class LeaderMixin(CoreState):
             return True
         return pid in d.pos and not set(tree_children(d, pid, self.cfg.reduce_fanout)) <= self.lead.haves
 
+    @handles(msgs.Have, sender=Sender.MEMBER, fence=Fence.TO_LEADER)
     def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
         if not self.is_leader or self.lead.phase != Phase.COMMIT or msg.round != self.lead.round:
             return []
@@ -368,11 +370,12 @@ class LeaderMixin(CoreState):
                 return [log("warning", "stalled", reason=f"stage {empty[0]} has no node")]
         return []
 
+    @handles(msgs.Ready, sender=Sender.ANYONE)
     def on_ready(self, sender: NodeId, msg: Ready, now: float) -> list[Effect]:
         if not self.is_leader or self.lead.reassigned.get(sender, msg.stage) != msg.stage:
             return []
         self.lead.reassigned.pop(sender, None)
-        self.pending_joiners.discard(sender)  # type: ignore[attr-defined]
+        self.pending_joiners.discard(sender)
         self.last_hb[sender] = now
         if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):
             return self._activate(sender, from_tuple(msg.peer), now, msg.version)
@@ -381,7 +384,7 @@ class LeaderMixin(CoreState):
             self.lead.refetches.pop(sender, None)
             out = self._activate(sender, from_tuple(msg.peer), now)
             return out + (self._begin(self.lead.t, now) if not self.lead.admitting else [])
-        self.pending_joiners.add(sender)  # type: ignore[attr-defined]
+        self.pending_joiners.add(sender)
         self.lead.waiting.add(sender)
         self.lead.ready[sender] = (from_tuple(msg.peer), msg.version)
         return []

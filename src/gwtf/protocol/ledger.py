@@ -17,13 +17,14 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
 from gwtf.protocol.kinds import ComputeKind
-from gwtf.protocol.messages import NONE, MbId, TensorKey
+from gwtf.protocol.messages import NONE, Commit, MbId, TensorKey
 from gwtf.protocol.messages import Effect as Effect  # re-exported: the parts import it from here
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 
@@ -115,8 +116,16 @@ class GradOut:
     got: bool = False  # the receiver acknowledged receipt
 
 
+LinkPrior = Callable[[PeerInfo, PeerInfo], LinkEstimate]
+"""What a node believes of a link before measuring it (the simulator: the region table's value)."""
+
+
 class CoreState:
     """Fields and helpers shared by the NodeCore parts (see the module docstring)."""
+
+    is_leader: bool = False  # set by the leader part (leader_init), cleared by membership on a new term
+    link_prior: LinkPrior | None = None  # set by NodeCore's constructor (a driver's link priors)
+    router_factory: Callable[[PeerInfo], Router] | None = None  # ... and the router a joiner builds
 
     def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
                  router: Router, policy: Policy) -> None:
@@ -128,6 +137,7 @@ class CoreState:
         self.policy = policy
         self.S = train.stages
         self.alive = True
+        self.pending_joiners: set[NodeId] = set()  # leader: joiners admitted, not yet members (membership)
         self.started_s = 0.0  # `now` at on_start (the runtime's clock does not start at 0)
         self.active = me.stage >= 0  # a joiner is inactive until the leader activates it
         self.iteration = 0  # current iteration (from the leader)
@@ -164,7 +174,7 @@ class CoreState:
         self.rt_ema_s = 0.0
         self.started_iter = NONE
         self.reported = False
-        self.commit: Any = None  # the leader's last Commit for this iteration
+        self.commit: Commit | None = None  # the leader's last Commit for this iteration
         self.shares: dict[int, set[NodeId]] = {}
         self.have_round = NONE
         self.need: set[NodeId] = set()  # contributors whose gradient we still wait for
@@ -205,7 +215,7 @@ class CoreState:
         est = self.links.get(peer)
         if est is None:
             info = self.directory.get(peer)
-            prior = getattr(self, "link_prior", None)
+            prior = self.link_prior
             est = prior(self.me, info) if prior is not None and info is not None else DEFAULT_LINK
             self.links[peer] = est
         return est

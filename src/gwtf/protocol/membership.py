@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from gwtf.protocol import messages as msgs
 from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import CoreState, Effect, Leg, Origin
 from gwtf.protocol.messages import (
@@ -70,8 +72,6 @@ def from_tuple(t: PeerTuple) -> PeerInfo:
 
 class MembershipMixin(CoreState):
     """Directory, heartbeats, eviction, leader failover, join, leave, state transfer."""
-
-    is_leader: bool = False
 
     def membership_start(self, now: float, known: list[PeerInfo] | Roster) -> list[Effect]:
         self.last_leader_s = now
@@ -252,6 +252,7 @@ class MembershipMixin(CoreState):
                               term=self.vote_term))
         return out + [self.send(candidates[0], LeaderVote(term=self.vote_term, old=self.leader))]
 
+    @handles(msgs.LeaderVote, sender=Sender.MEMBER)
     def on_leader_vote(self, sender: NodeId, msg: LeaderVote, now: float) -> list[Effect]:
         if sender not in self.directory:  # a pending joiner or a stranger is no voter
             return [log("info", "vote_refused", voter=sender, reason="not a member")]
@@ -317,6 +318,7 @@ class MembershipMixin(CoreState):
         self._adopt_term(term, leader, now)
         return [record(RecordName.LEADER_STEPDOWN, node=self.me.id, term=term, leader=leader)] if was_leader else []
 
+    @handles(msgs.TermNotice, sender=Sender.MEMBER)
     def on_term_notice(self, sender: NodeId, msg: TermNotice, now: float) -> list[Effect]:
         if msg.term > self.term or (msg.term == self.term and not self.leader and msg.leader):
             return self._follow(msg.term, msg.leader, now)
@@ -334,6 +336,7 @@ class MembershipMixin(CoreState):
     def vote_failed_to(self, peer: NodeId) -> None:
         self.vote_failed.add(peer)
 
+    @handles(msgs.Heartbeat, sender=Sender.ANYONE, fence=Fence.TO_LEADER)
     def on_heartbeat(self, sender: NodeId, msg: Heartbeat, now: float) -> list[Effect]:
         if not self.is_leader:
             # the sender takes us for its leader: tell it whom we follow
@@ -343,6 +346,7 @@ class MembershipMixin(CoreState):
         self.last_hb[sender] = now
         return [self.send(sender, HeartbeatAck(term=self.term, leader=self.me.id, iteration=self.iteration))]
 
+    @handles(msgs.HeartbeatAck, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_heartbeat_ack(self, sender: NodeId, msg: HeartbeatAck, now: float) -> list[Effect]:
         if sender == self.leader:
             self.last_leader_s = now
@@ -370,6 +374,7 @@ class MembershipMixin(CoreState):
         return out + [self.send(pid, msg) for pid in sorted(self.directory)
                       if pid != self.me.id and self.directory[pid].stage in near]
 
+    @handles(msgs.ComputeUpdate, sender=Sender.MEMBER)
     def on_compute_update(self, sender: NodeId, msg: ComputeUpdate, now: float) -> list[Effect]:
         """A member's new compute time: my directory keeps it (so what I tell joiners, and plan
         as a leader, is current) and my router re-prices its edges to the sender (a no-op for a
@@ -418,6 +423,7 @@ class MembershipMixin(CoreState):
         self.suspects.discard(peer)
         return list(self.router.on_peer_up(info, self.link(peer), now)) if self.in_view(info) else []
 
+    @handles(msgs.SuspectNotice, sender=Sender.MEMBER)
     def on_suspect_notice(self, sender: NodeId, msg: SuspectNotice, now: float) -> list[Effect]:
         if not self.is_leader or msg.node not in self.directory or msg.node == self.me.id:
             return []
@@ -426,6 +432,7 @@ class MembershipMixin(CoreState):
         self.probing.add(("probe", msg.node))
         return [self.send(msg.node, Probe(term=self.term)), self.timer(("probe", msg.node, now), self.cfg.deadline_floor_s, now)]
 
+    @handles(msgs.Probe, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_probe(self, sender: NodeId, msg: Probe, now: float) -> list[Effect]:
         return [self.send(sender, Heartbeat(term=self.term, version=self.version))]
 
@@ -435,6 +442,7 @@ class MembershipMixin(CoreState):
             return self.evict(peer, False, now)
         return []
 
+    @handles(msgs.MemberDown, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_member_down(self, sender: NodeId, msg: MemberDown, now: float) -> list[Effect]:
         # (a new leader's MemberDown of the old one passed `fence`, which made the sender our leader)
         if msg.node == self.me.id:
@@ -445,6 +453,7 @@ class MembershipMixin(CoreState):
             out += self.fetch_state(self.restore_point(), now)
         return out
 
+    @handles(msgs.Evicted, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_evicted(self, sender: NodeId, msg: Evicted, now: float) -> list[Effect]:
         """A member the leader declared dead stops (a zombie); a joiner that never served
         (e.g. silent too long while it built its stage) joins again instead, boundedly."""
@@ -505,6 +514,7 @@ class MembershipMixin(CoreState):
     def become_leader(self, now: float) -> list[Effect]:  # aggregation overrides
         return []
 
+    @handles(msgs.MemberUp, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_member_up(self, sender: NodeId, msg: MemberUp, now: float) -> list[Effect]:
         p = from_tuple(msg.peer)
         if p.id == self.me.id:
@@ -517,6 +527,7 @@ class MembershipMixin(CoreState):
             self._dir_set(p)
         return self._peer_up(p, now)
 
+    @handles(msgs.LeaveNotice, sender=Sender.MEMBER)
     def on_leave_notice(self, sender: NodeId, msg: LeaveNotice, now: float) -> list[Effect]:
         if self.is_leader and sender in self.directory:
             return self.evict(sender, True, now)
@@ -574,6 +585,7 @@ class MembershipMixin(CoreState):
             return self.rejoin("leader_lost", now)
         return [self.send(self.leader, Heartbeat(term=self.term, version=self.version))]
 
+    @handles(msgs.JoinRequest, sender=Sender.ANYONE)
     def on_join_request(self, sender: NodeId, msg: JoinRequest, now: float) -> list[Effect]:
         if not self.is_leader:
             return [self.send(self.leader, msg)] if self.leader else []
@@ -616,6 +628,7 @@ class MembershipMixin(CoreState):
         (a joiner's own version is not the swarm's; it was 0, and a retry loaded the initial model)."""
         return self.restore_version
 
+    @handles(msgs.Welcome, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_welcome(self, sender: NodeId, msg: Welcome, now: float) -> list[Effect]:
         if self.me.stage >= 0 or self.active:
             return []
@@ -625,7 +638,7 @@ class MembershipMixin(CoreState):
         self.directory = {i.id: i for i in members}  # what a policy's stage choice may look at (SWARM)
         stage = self.choose_join_stage(util)
         self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / self.speed_flops_per_s)
-        factory = getattr(self, "router_factory", None)
+        factory = self.router_factory
         if factory is not None:
             self.router = factory(self.me)
         else:
@@ -698,6 +711,7 @@ class MembershipMixin(CoreState):
     def _state_failed(self, src: NodeId) -> None:
         self.state_failed_from.add(src)
 
+    @handles(msgs.StateRequest, sender=Sender.ANYONE)
     def on_state_request(self, sender: NodeId, msg: StateRequest, now: float) -> list[Effect]:
         if msg.checkpoint != NONE:
             return self._checkpoint_request(sender, msg)
@@ -731,6 +745,7 @@ class MembershipMixin(CoreState):
         return [Compute(job, ComputeKind.STORE_CHECKPOINT, self.me.stage, None, 0.0, (msg.key,), (),
                         msg.size_bytes)]
 
+    @handles(msgs.StateTransfer, sender=Sender.ANYONE)
     def on_state_transfer(self, sender: NodeId, msg: StateTransfer, now: float) -> list[Effect]:
         if self.active and msg.key[:1] == ("ckpt",):
             return self._keep_checkpoint(sender, msg)
@@ -771,6 +786,7 @@ class MembershipMixin(CoreState):
         """Importing fetched state (or loading the checkpoint) failed: fetch again."""
         return self.fetch_state(self.restore_point(), now)
 
+    @handles(msgs.Refetch, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_refetch(self, sender: NodeId, msg: Refetch, now: float) -> list[Effect]:
         if self.active:
             return []

@@ -30,6 +30,7 @@ from typing import Any
 
 from gwtf.protocol.base import Message, NodeId, message
 from gwtf.protocol.core import NodeCore
+from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import CoreState, Effect, Policy
 from gwtf.protocol.messages import LeaveNotice, record
@@ -63,7 +64,7 @@ class RebalanceMixin(CoreState):
         driver's clock epoch) and no join (or previous move) is under way."""
         if period_s <= 0 or now - max(self.last_rebalance_s, self.started_s) < period_s:
             return False
-        if getattr(self, "pending_joiners", None) or getattr(getattr(self, "lead", None), "waiting", None):
+        if self.pending_joiners or getattr(getattr(self, "lead", None), "waiting", None):
             return False
         self.last_rebalance_s = now
         return True
@@ -80,7 +81,7 @@ class RebalanceMixin(CoreState):
         link to p) without a prior. A prior is a function of the two regions (`core.LinkPrior`),
         so the others are counted per region: O(N x regions) per call, not O(N^2) (a 10,000-node
         leader plans every period). Summed with `math.fsum`, so the order does not matter."""
-        prior = getattr(self, "link_prior", None)
+        prior = self.link_prior
         if prior is None or len(members) < 2:
             return {p.id: f(self.link(p.id)) for p in members}
         count: dict[str, int] = {}
@@ -103,16 +104,10 @@ class RebalanceMixin(CoreState):
             out[p.id] = math.fsum(terms) / (len(members) - 1)
         return out
 
-    @classmethod
-    def _resolve_handler(cls, mcls: type) -> Any:
-        """A `StageMove` (and SWARM's, whose TYPE is a router's) is ours, not the router's."""
-        if issubclass(mcls, StageMove):
-            return cls.on_stage_move
-        return super()._resolve_handler(mcls)  # type: ignore[misc]
-
+    @handles(StageMove, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_stage_move(self, sender: NodeId, msg: StageMove, now: float) -> list[Effect]:
         """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
-        if self.me.stage < 1 or not self.active or getattr(self, "is_leader", False) \
+        if self.me.stage < 1 or not self.active or self.is_leader \
                 or not 1 <= msg.stage < self.S:
             return []
         event = RecordName.SWARM_MOVE if msg.TYPE.startswith("swarm.") else RecordName.STAGE_MOVE

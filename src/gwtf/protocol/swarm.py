@@ -36,6 +36,7 @@ from typing import Any
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import Message, NodeId, message
 from gwtf.protocol.core import NodeCore
+from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import Effect, Policy, TrainParams
 from gwtf.protocol.messages import record
@@ -252,6 +253,7 @@ class SwarmCore(RebalanceMixin, NodeCore):
 
     # -- relay side --------------------------------------------------------------------------
 
+    @handles(SwarmMove, sender=Sender.MEMBER, fence=Fence.FROM_LEADER)  # a router-type name: the member rule
     def on_swarm_move(self, sender: NodeId, msg: SwarmMove, now: float) -> list[Effect]:
         """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
         return self.on_stage_move(sender, msg, now)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gwtf.protocol import messages as msgs
 from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.dispatch import Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import CoreState, Effect, GradOut, Leg, Origin
 from gwtf.protocol.messages import (
@@ -53,7 +55,6 @@ class TrainingMixin(CoreState):
 
     def dh_start_iteration(self, now: float) -> list[Effect]:
         self.dh_started = 0
-        self.rt_ema_s: float = getattr(self, "rt_ema_s", 0.0)
         return self._dh_fill(now)
 
     def _dh_fill(self, now: float) -> list[Effect]:
@@ -161,6 +162,7 @@ class TrainingMixin(CoreState):
 
     # ---- receiving ----------------------------------------------------------------------
 
+    @handles(msgs.Forward, sender=Sender.NEIGHBOUR)
     def on_forward(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
         if msg.mb[1] > self.iteration:
             self.pending_fwd.append((sender, msg))  # IterStart not seen yet: keep it
@@ -199,6 +201,7 @@ class TrainingMixin(CoreState):
             return self.origins.get(mb), mb
         return self.legs.get(leg), leg
 
+    @handles(msgs.Got, sender=Sender.MEMBER)
     def on_got(self, sender: NodeId, msg: Got, now: float) -> list[Effect]:
         """The next hop has our activation: time the link; tell our sender it is downstream."""
         rec, ref = self._rec(msg.mb, msg.leg)
@@ -213,12 +216,14 @@ class TrainingMixin(CoreState):
             out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1])))
         return out
 
+    @handles(msgs.Passed, sender=Sender.MEMBER)
     def on_passed(self, sender: NodeId, msg: Passed, now: float) -> list[Effect]:
         rec, _ = self._rec(msg.mb, msg.leg)
         if rec is not None and rec.phase in ("out", "got") and rec.next == sender and rec.mb == msg.mb:
             rec.phase = "passed"
         return []
 
+    @handles(msgs.Backward, sender=Sender.NEIGHBOUR)
     def on_backward(self, sender: NodeId, msg: Backward, now: float) -> list[Effect]:
         if msg.mb[1] != self.iteration:
             return []
@@ -354,6 +359,7 @@ class TrainingMixin(CoreState):
         return [self.send(to, Backward(mb=mb, path=path, legs=legs, key=key, size_bytes=size)),
                 self.timer(("ackb", mb), deadline, now)]
 
+    @handles(msgs.BackAck, sender=Sender.MEMBER)
     def on_backack(self, sender: NodeId, msg: BackAck, now: float) -> list[Effect]:
         g = self.gouts.get(msg.mb)
         if g is None or g.path[g.pos - 1] != sender or g.redo_start != NONE:
@@ -389,6 +395,7 @@ class TrainingMixin(CoreState):
         return [record(RecordName.REDO, node=self.me.id, mb=g.mb, start=start, until=g.pos, mode="inflight"),
                 self.send(to, msg), self.timer(("redo", g.mb), self.ack_deadline_s(to, 0), now)]
 
+    @handles(msgs.RedoAck, sender=Sender.ANYONE)
     def on_redoack(self, sender: NodeId, msg: RedoAck, now: float) -> list[Effect]:
         g = self.gouts.get(msg.mb)
         if g is None or g.redo_start != msg.start:
@@ -406,6 +413,7 @@ class TrainingMixin(CoreState):
         g.redo_start = NONE
         return out + self._redo_walk(g, start, now)
 
+    @handles(msgs.Redo, sender=Sender.ANYONE)
     def on_redo(self, sender: NodeId, msg: Redo, now: float) -> list[Effect]:
         """We hold the activation for stage `start`: send it to another replica as a redo chain."""
         if msg.mb[1] != self.iteration:
@@ -443,6 +451,7 @@ class TrainingMixin(CoreState):
         req = GradRequest(mb=o.mb, path=(self.me.id,), legs=(o.mb[2],))
         return [self.send(o.holder, req), self.timer(("gget", o.mb), self.ack_deadline_s(o.holder, 0), now)]
 
+    @handles(msgs.GradRequest, sender=Sender.ANYONE)
     def on_gradrequest(self, sender: NodeId, msg: GradRequest, now: float) -> list[Effect]:
         cached = self.grad_cache.get(msg.mb)
         if cached is None or msg.mb[1] != self.iteration:
