@@ -86,9 +86,12 @@ def _joiners(swarm: Swarm) -> list[NodeProcess]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_high_churn_with_short_timeouts_finishes_and_every_joiner_serves(tmp_path: Path, seed: int) -> None:
-    iterations = 40
-    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, *DEMO_SHAPE, f"train.seed={seed}", f"train.iterations={iterations}"),
-                   "high")
+    high_churn_run(tmp_path, (f"train.seed={seed}",))
+
+
+def high_churn_run(tmp_path: Path, extra: tuple[str, ...], iterations: int = 40) -> None:
+    """`--churn high` with the demo's timeouts: the run finishes clean and every joiner serves."""
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, *DEMO_SHAPE, *extra, f"train.iterations={iterations}"), "high")
     with swarm:
         swarm.start()
         _finish_clean(swarm, iterations, 200.0)

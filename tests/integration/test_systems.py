@@ -20,29 +20,19 @@ from test_churn import (
     LONG,
     _done,
     _events,
-    _finish_clean,
-    _joiners,
     _records,
     _run_on,
     _served,
     _swarm,
     _until,
+    high_churn_run,
 )
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_swarm_baseline_trains_over_tcp_under_high_churn(tmp_path: Path) -> None:
-    iterations = 40
-    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, *DEMO_SHAPE, 'protocol.system="swarm"', "train.seed=5",
-                              f"train.iterations={iterations}"), "high")
-    with swarm:
-        swarm.start()
-        _finish_clean(swarm, iterations, 200.0)
-        joiners = _joiners(swarm)
-        assert swarm.crashes >= 3 and len(joiners) == swarm.crashes, (swarm.crashes, [p.name for p in joiners])
-        idle = [p.name for p in joiners if not _served(swarm, p.name)]
-        assert not idle, f"joiners that never served: {idle}\n{swarm.log_tails()}"
+    high_churn_run(tmp_path, ('protocol.system="swarm"', "train.seed=5"))
 
 
 @pytest.mark.integration
