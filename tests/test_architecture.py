@@ -176,3 +176,36 @@ def test_test_file_names_are_unique() -> None:
     tests/unit/protocol and tests/integration)."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
+
+
+_SIBLING_REACH = re.compile(r"getattr\(self\b|type: ignore\[[^\]]*attr-defined")
+
+
+def test_core_parts_reach_each_other_only_through_declared_interfaces() -> None:
+    """No protocol file reaches a sibling part's attributes by `getattr(self, ...)` or hides a
+    missing attribute with `type: ignore[attr-defined]`: what one part needs of another is
+    declared on `CoreState` (issue 15)."""
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((SRC / "protocol").glob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if _SIBLING_REACH.search(line)]
+    assert not hits, hits
+
+
+def test_every_declared_interface_is_implemented_by_each_system_core() -> None:
+    """Each method `CoreState` declares for the parts is implemented by a part in every system's
+    core class (CoreState's own body only raises)."""
+    from gwtf.config import ProtocolConfig
+    from gwtf.protocol.ledger import CoreState
+    from gwtf.protocol.systems import SYSTEMS
+
+    declared = [n for n, v in vars(CoreState).items() if callable(v) and n not in ("__init__",)
+                and _raises_not_implemented(v)]
+    assert len(declared) >= 10, declared
+    for name, factory in SYSTEMS.items():
+        core = factory(ProtocolConfig()).core
+        missing = [n for n in declared if getattr(core, n) is getattr(CoreState, n)]
+        assert not missing, (name, missing)
+
+
+def _raises_not_implemented(fn: object) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and "NotImplementedError" in code.co_names

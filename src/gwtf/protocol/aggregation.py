@@ -185,10 +185,10 @@ class AggregationMixin(CoreState):
         self.reported = False
         out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.me.id, iteration=msg.iteration)]
         if self.me.stage == 0:
-            out += self.dh_start_iteration(now)  # type: ignore[attr-defined]
+            out += self.dh_start_iteration(now)
         pending, self.pending_fwd = self.pending_fwd, []
         for s, m in pending:
-            out += self.on_forward(s, m, now)  # type: ignore[attr-defined]
+            out += self.on_forward(s, m, now)
         if self.collect_due == msg.iteration:
             self.collect_due = NONE
             self.reported = True
@@ -370,7 +370,7 @@ class AggregationMixin(CoreState):
         if self.me.id not in replicas:
             return []
         mine, n = replicas.index(self.me.id), len(replicas)
-        dhs = sorted(self.data_holders())  # type: ignore[attr-defined]
+        dhs = sorted(self.data_holders())
         targets = tuple(d for j, d in enumerate(dhs) if j % n == mine)
         if not targets:
             return []

@@ -21,15 +21,15 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
 from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
-from gwtf.protocol.dispatch import Fence, Route, Sender, router_route, routes_of
+from gwtf.protocol.dispatch import Fence, Route, Sender, Termed, router_route, routes_of
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.leader import LeaderMixin
+from gwtf.protocol.leader import LeaderMixin, LeaderState
 from gwtf.protocol.ledger import CoreState, Effect, LinkPrior, Policy, TrainParams
 from gwtf.protocol.membership import MAX_COMPUTE_S, MembershipMixin
 from gwtf.protocol.messages import record
@@ -106,8 +106,8 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         # The hold is bounded: a start member that died while starting delays the first
         # iteration by at most `partition_timeout_s` (then the swarm starts without it).
         first = self.start_version
-        lead = getattr(self, "lead", None)
-        fresh = self.version == first and getattr(lead, "lost_from", first) <= first
+        lead: LeaderState | None = self.lead
+        fresh = self.version == first and (lead.lost_from if lead is not None else first) <= first
         held_s = now - (lead.started_s if lead is not None else now)
         if fresh and len(self.directory) < self.start_members and held_s < self.cfg.partition_timeout_s:
             return []
@@ -251,7 +251,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             return out + [record(RecordName.UNAUTHORIZED, node=self.me.id, sender=sender, type=msg.TYPE,
                                  allowed=str(rule))]
         if fence:
-            accept, said = self.fence(sender, msg.term, fence is Fence.FROM_LEADER, now)  # type: ignore[attr-defined]
+            accept, said = self.fence(sender, cast(Termed, msg).term, fence is Fence.FROM_LEADER, now)
             out += said
             if not accept:
                 return out

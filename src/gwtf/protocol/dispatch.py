@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gwtf.protocol.base import Message
 
-__all__ = ["ROUTER_PREFIXES", "ROUTER_SENDERS", "Fence", "Route", "Sender", "handles", "routes_of"]
+__all__ = ["ROUTER_PREFIXES", "ROUTER_SENDERS", "Fence", "Route", "Sender", "Termed", "handles", "routes_of"]
 
 
 class Sender(StrEnum):
@@ -60,12 +60,23 @@ ROUTER_SENDERS: dict[str, Sender] = {"flow.advert": Sender.ANYONE}
 """Router messages come from members, but a new member's adverts may arrive before its MemberUp
 (the router keeps a bounded few)."""
 
+class Termed(Protocol):
+    """A fenced message: it carries its sender's term (`handles` checks every fenced class)."""
+
+    term: int
+
+
 _MARK = "__gwtf_handles__"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def handles(*classes: type[Message], sender: Sender, fence: Fence = Fence.NONE) -> Callable[[F], F]:
     """Declare the decorated method the handler of `classes` (one route per class)."""
+
+    if fence is not Fence.NONE:
+        for c in classes:
+            if "term" not in getattr(c, "__dataclass_fields__", {}):
+                raise TypeError(f"{c.__name__} is fenced ({fence.name}) but has no term field")
 
     def mark(fn: F) -> F:
         setattr(fn, _MARK, (classes, sender, fence))

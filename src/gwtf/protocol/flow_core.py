@@ -202,6 +202,12 @@ class FlowCore:
 
     # ------------------------------------------------------------------------------ effects
 
+    def set_me(self, me: PeerInfo) -> None:
+        """Router hook: a flow agent is rebuilt (`router_factory`) when its node changes stage."""
+
+    def on_release(self, peer: NodeId) -> None:
+        """Router hook: flow slots are reserved per route, not counted per microbatch."""
+
     def _send(self, to: NodeId, msg: Message) -> None:
         self.messages_out += 1
         self._out.append(Send(to, msg))

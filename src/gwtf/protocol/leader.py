@@ -96,7 +96,7 @@ class LeaderMixin(CoreState):
         self.is_leader = True
         # a new leader's rounds must not collide with commits the old one may have sent
         seen = max(self.have_round, self.commit.round if self.commit is not None else NONE)
-        prev: LeaderState | None = getattr(self, "lead", None)
+        prev: LeaderState | None = self.lead
         last = prev.round if prev is not None else 0
         self.lead = LeaderState(term=self.term, t=self.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
                                 round=max(last, seen) + (ROUND_GAP if recovering else 0), stalled_log_s=now,
@@ -143,7 +143,7 @@ class LeaderMixin(CoreState):
             # so hold this iteration's start until they are Ready at it (bounded) instead of
             # asking them to fetch again forever
             size = max(self.train.stage_state_bytes)
-            wait_s = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * max(  # type: ignore[attr-defined]
+            wait_s = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * max(
                 self.ack_deadline_s(j, size) for j in held))
             self.lead.phase = Phase.ADMIT
             self.lead.admitting = set(held)
@@ -189,7 +189,7 @@ class LeaderMixin(CoreState):
         """A stage was lost while joiners were pending at stages that still have replicas: send
         one per lost stage that no pending joiner takes over to join again (it is then assigned
         the lost stage, the bottleneck), instead of leaving the swarm paused with them waiting."""
-        pending = {j: st for j, (st, _) in self.pending_stage.items()  # type: ignore[attr-defined]
+        pending = {j: st for j, (st, _) in self.pending_stage.items()
                    if j not in self.directory}
         spare = sorted(j for j, st in pending.items() if st not in empty)
         out: list[Effect] = []
@@ -242,7 +242,7 @@ class LeaderMixin(CoreState):
 
     def _check(self, now: float) -> list[Effect]:
         if self.lead.phase == Phase.RUN:
-            dhs = self.data_holders()  # type: ignore[attr-defined]
+            dhs = self.data_holders()
             if len(self.lead.expected) < len(dhs) or not dhs <= self.lead.expected.keys():
                 return []
             self.lead.phase = Phase.COLLECT
@@ -392,22 +392,22 @@ class LeaderMixin(CoreState):
     def _activate(self, pid: NodeId, info: PeerInfo, now: float, version: int = NONE) -> list[Effect]:
         # a member is counted by the directory now: a pending assignment left behind would count
         # its capacity again once it dies (and hide a lost stage from the next joiner)
-        self.pending_stage.pop(pid, None)  # type: ignore[attr-defined]
+        self.pending_stage.pop(pid, None)
         if self.lead.phase == Phase.PAUSED and version != NONE and 0 < info.stage < self.S \
                 and not self._stage_members()[info.stage]:
             # it restores a lost stage: the swarm can roll back no later than the state it holds
             # (the stage's newest checkpoint may never have been written: its last replica died
             # after the step, before the checkpoint, e.g. while exporting its state to a joiner)
             self.lead.restored[info.stage] = min(self.lead.restored.get(info.stage, version), version)
-        self._dir_set(info)  # type: ignore[attr-defined]
+        self._dir_set(info)
         out: list[Effect] = [record(RecordName.JOIN, node=pid, stage=info.stage, iteration=self.lead.t)]
         out += self._broadcast(MemberUp(term=self.term, peer=to_tuple(info)), include_self=False)
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
-        listed = self.welcomed_with.pop(pid, frozenset(self.directory))  # type: ignore[attr-defined]
+        listed = self.welcomed_with.pop(pid, frozenset(self.directory))
         out += [self.send(pid, MemberUp(term=self.term, peer=to_tuple(self.directory[q])))
                 for q in sorted(self.directory) if q not in listed and q not in (pid, self.me.id)]
-        out += self._peer_up(info, now)  # type: ignore[attr-defined]
+        out += self._peer_up(info, now)
         if self.lead.phase == Phase.PAUSED and all(self._stage_members()):
             out += self._resume(now)
         return out

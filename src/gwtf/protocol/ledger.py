@@ -19,14 +19,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
 from gwtf.protocol.kinds import ComputeKind
-from gwtf.protocol.messages import NONE, Commit, MbId, TensorKey
+from gwtf.protocol.messages import NONE, Commit, Forward, MbId, TensorKey
 from gwtf.protocol.messages import Effect as Effect  # re-exported: the parts import it from here
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
+
+if TYPE_CHECKING:  # annotation only: the leader part imports this module
+    from gwtf.protocol.leader import LeaderState
 
 DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
 
@@ -126,6 +129,9 @@ class CoreState:
     is_leader: bool = False  # set by the leader part (leader_init), cleared by membership on a new term
     link_prior: LinkPrior | None = None  # set by NodeCore's constructor (a driver's link priors)
     router_factory: Callable[[PeerInfo], Router] | None = None  # ... and the router a joiner builds
+    lead: LeaderState | None = None  # the leader part's state (leader_init), None on a node that never led
+    pending_stage: dict[NodeId, tuple[int, int]]  # leader: joiner -> (assigned stage, capacity) (membership)
+    welcomed_with: dict[NodeId, frozenset[NodeId]]  # leader: members a joiner's Welcome listed (membership)
 
     def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
                  router: Router, policy: Policy) -> None:
@@ -160,7 +166,7 @@ class CoreState:
         self.contributed: dict[MbId, int] = {}
         self.grad_cache: dict[MbId, tuple[TensorKey, tuple[NodeId, ...], tuple[int, ...]]] = {}
         self.gouts: dict[MbId, GradOut] = {}
-        self.pending_fwd: list[tuple[NodeId, Message]] = []
+        self.pending_fwd: list[tuple[NodeId, Forward]] = []
         self.collect_due = NONE  # a Collect for this iteration came before its IterStart
         self.pending_acks: list[Send] = []
         self.uplink_free_est_s = 0.0  # when our uplink will have sent what we queued on it
@@ -181,6 +187,62 @@ class CoreState:
         self.need_count = 0
         self.reducer: NodeId = ""  # the stage replica that sums the gradients of the committed round
         self.own_exported = NONE  # round whose own gradient export finished
+
+    # -- the parts' interface to each other -------------------------------------------------
+    # Declared here, implemented by one part each (named in the docstring); NodeCore's MRO puts
+    # CoreState last, so these bodies run only on a class that lacks the part (a bug).
+
+    def fence(self, sender: NodeId, term: int, from_leader: bool, now: float) -> tuple[bool, list[Effect]]:
+        """Membership: accept or refuse a control message of `term` (and adopt a newer term)."""
+        raise NotImplementedError
+
+    def data_holders(self) -> frozenset[NodeId]:
+        """Membership: the live data holders in the directory."""
+        raise NotImplementedError
+
+    def join_deadline_s(self) -> float:
+        """Membership: how long a join may take before the joiner tries again."""
+        raise NotImplementedError
+
+    def _dir_set(self, p: PeerInfo) -> None:
+        """Membership: add or update a directory entry."""
+        raise NotImplementedError
+
+    def _peer_up(self, p: PeerInfo, now: float) -> list[Effect]:
+        """Membership: a peer became a member (router and link bookkeeping)."""
+        raise NotImplementedError
+
+    def dh_start_iteration(self, now: float) -> list[Effect]:
+        """Training: a data holder starts its microbatches of the current iteration."""
+        raise NotImplementedError
+
+    def on_forward(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
+        """Training: an activation arrived."""
+        raise NotImplementedError
+
+    def send_join(self, now: float) -> list[Effect]:
+        """Membership: ask the leader (or a contact) to join."""
+        raise NotImplementedError
+
+    def fwd_failed(self, ref: int | MbId, peer: NodeId, now: float) -> list[Effect]:
+        """Training: a forward sent to `peer` was lost with it."""
+        raise NotImplementedError
+
+    def chain_failed(self, ref: int | MbId, now: float) -> list[Effect]:
+        """Training: an aggregation redo chain waiting on a lost peer."""
+        raise NotImplementedError
+
+    def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
+        """Training: the backward of `mb` was lost with a peer."""
+        raise NotImplementedError
+
+    def redo_failed(self, mb: MbId, now: float) -> list[Effect]:
+        """Training: an aggregation redo chain of `mb` was lost with a peer."""
+        raise NotImplementedError
+
+    def _clear_iteration(self) -> None:
+        """Aggregation: drop the ledger of the current iteration."""
+        raise NotImplementedError
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -284,6 +346,4 @@ class CoreState:
         return (kind, mb[0], mb[1], mb[2], self.me.id, n)
 
     def release(self, peer: NodeId) -> None:
-        hook = getattr(self.router, "on_release", None)
-        if hook is not None:
-            hook(peer)
+        self.router.on_release(peer)

@@ -326,7 +326,7 @@ class MembershipMixin(CoreState):
 
     def _forget_waiting(self, pid: NodeId, reassigned: bool = False) -> None:
         """The leader's record of a joiner waiting (or sent to join again) is void."""
-        lead = getattr(self, "lead", None)
+        lead = self.lead
         if lead is not None:
             if reassigned:
                 lead.reassigned.pop(pid, None)
@@ -484,9 +484,9 @@ class MembershipMixin(CoreState):
             if g is None:
                 continue
             if g.redo_start == NONE and g.path[g.pos - 1] == pid:
-                out += self.bwd_failed(mb, now)  # type: ignore[attr-defined]
+                out += self.bwd_failed(mb, now)
             elif g.redo_start != NONE and g.path[g.redo_start - 1] == pid:
-                out += self.redo_failed(mb, now)  # type: ignore[attr-defined]
+                out += self.redo_failed(mb, now)
         successor = False
         if pid == self.leader:
             # the leader left gracefully: it hands the next term to the next data holder by id
@@ -503,9 +503,9 @@ class MembershipMixin(CoreState):
     def _recover_rec(self, rec: Leg | Origin, ref: int | tuple[str, int, int], pid: NodeId,
                      now: float) -> list[Effect]:
         if rec.phase in ("out", "got") and rec.next == pid:
-            return self.fwd_failed(ref, pid, now)  # type: ignore[attr-defined,no-any-return]
+            return self.fwd_failed(ref, pid, now)
         if rec.phase == "gradwait" and rec.holder == pid:
-            return self.chain_failed(ref, now)  # type: ignore[attr-defined,no-any-return]
+            return self.chain_failed(ref, now)
         return []
 
     def on_member_dead(self, pid: NodeId, stage: int, now: float) -> list[Effect]:  # leader overrides
@@ -642,9 +642,7 @@ class MembershipMixin(CoreState):
         if factory is not None:
             self.router = factory(self.me)
         else:
-            set_me = getattr(self.router, "set_me", None)
-            if set_me is not None:
-                set_me(self.me)
+            self.router.set_me(self.me)
         self.directory = {i.id: i for i in members if self.keeps(i)}
         self.directory[self.me.id] = self.me
         self.dhs_cache = None

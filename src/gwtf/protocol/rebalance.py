@@ -64,7 +64,7 @@ class RebalanceMixin(CoreState):
         driver's clock epoch) and no join (or previous move) is under way."""
         if period_s <= 0 or now - max(self.last_rebalance_s, self.started_s) < period_s:
             return False
-        if self.pending_joiners or getattr(getattr(self, "lead", None), "waiting", None):
+        if self.pending_joiners or (self.lead is not None and self.lead.waiting):
             return False
         self.last_rebalance_s = now
         return True
@@ -114,14 +114,14 @@ class RebalanceMixin(CoreState):
         out: list[Effect] = [record(event, node=self.me.id, stage=self.me.stage, to=msg.stage)]
         self.move_target = msg.stage
         self.active = False
-        self._clear_iteration()  # type: ignore[attr-defined]
+        self._clear_iteration()
         self.jobs.clear()
         self.pending_fwd.clear()
         self.suspects.clear()
         self.me = replace(self.me, stage=-1)
         out.append(self.send(self.leader, LeaveNotice()))
         self.join_tries = 0
-        return out + self.send_join(now)  # type: ignore[attr-defined,no-any-return]
+        return out + self.send_join(now)
 
     def take_move_target(self) -> int:
         """The stage a moving peer was sent to (once), or -1 for an ordinary joiner."""

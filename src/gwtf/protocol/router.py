@@ -70,6 +70,14 @@ class Router(Protocol):
 
     def on_message(self, sender: NodeId, msg: Message, now: float) -> list[RouterEffect]: ...
 
+    def set_me(self, me: PeerInfo) -> None:
+        """This node changed stage (a join or a stage move) without a new router being built."""
+        ...
+
+    def on_release(self, peer: NodeId) -> None:
+        """One microbatch handed to `peer` is finished there (or abandoned)."""
+        ...
+
     def on_timer(self, key: tuple[Any, ...], now: float) -> list[RouterEffect]: ...
 
     def flow_slots(self, now: float) -> list[FlowSlot]:
