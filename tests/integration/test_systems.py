@@ -60,7 +60,13 @@ def test_a_lopsided_swarm_moves_a_relay_to_the_bottleneck_stage(tmp_path: Path, 
         _until(swarm, serves_stage_2, 60.0, f"{mover} serving stage 2")
         _run_on(swarm, 3, 40.0)
         last = _done(swarm) - 1
-        steps = {str(r["hash"]) for name in ("r2a", mover) for r in _records(swarm, name)
-                 if r.get("event") == "stepped" and r["iteration"] == last and int(r["stage"]) == 2}
+
+        def step_hashes() -> dict[str, str]:
+            return {name: str(r["hash"]) for name in ("r2a", mover) for r in _records(swarm, name)
+                    if r.get("event") == "stepped" and r["iteration"] == last and int(r["stage"]) == 2}
+
+        # an iteration is done once one replica of every stage logged its step: wait for both (bounded)
+        _until(swarm, lambda: len(step_hashes()) == 2, 20.0, f"r2a and {mover} logging their step of {last}")
+        steps = set(step_hashes().values())
         assert len(steps) == 1, steps  # the mover and stage 2's replica hold the same weights
         assert len(moves) == 1, moves  # balanced after one move: no back-and-forth
