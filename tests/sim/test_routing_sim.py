@@ -175,6 +175,26 @@ def test_routes_are_exact_while_data_holders_exchange(n: int, stages: int, dhs: 
     assert sim.failure is None, sim.failure
 
 
+def test_routes_are_exact_at_every_delivery_through_a_crash() -> None:
+    """The same check, after every message, while routes are repaired after 20% of the relays
+    crashed (hand-overs in flight meet dead holders) and re-annealed."""
+    inst = generate_instance(24, 4, 4, seed=5, relay_capacity=(1, 3))
+    sim = _EveryDelivery(inst, seed=5)
+    sim.run(120.0)
+    assert sim.crash(0.2, random.Random(5))
+    sim.run(120.0)
+    assert sim.failure is None, sim.failure
+    assert evaluate_routes(sim.surviving_instance(), sim.routes()).flow == optimum(sim.surviving_instance()).stats.flow
+
+
+def test_snapshot_check_finds_a_route_counted_twice_below_capacity() -> None:
+    inst = generate_instance(10, 2, 2, seed=2, relay_capacity=(3, 3))
+    sim = RoutingSim(inst, seed=2)  # not started: no node holds any flow entry yet
+    dh, relay = inst.by_stage[0][0], inst.by_stage[1][0]
+    with pytest.raises(AssertionError, match=f"{dh} carries 1 routes over 0 flow entries"):
+        sim._check_snapshot([(dh, relay)])
+
+
 def test_snapshot_check_names_the_overfull_node() -> None:
     inst = generate_instance(10, 2, 2, seed=2, relay_capacity=(1, 1))
     sim = RoutingSim(inst, seed=2)

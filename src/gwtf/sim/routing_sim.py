@@ -6,8 +6,9 @@ their timers, tells each agent its prev / same / next-stage neighbours at start 
 link as if measured: both directions averaged, so the agent's d(i,j) equals the instance's), runs
 until it is stable for `stable_ticks` ticks (or a virtual time limit), extracts the
 routes by following every data holder's flows (each relay entry in at most one route, checked
-against every node's limit on every snapshot), and crashes relays silently (messages to them are
-lost; their neighbours get `on_peer_down` after `detection_delay_s` + latency).
+against every node's limit and its flow entries on every snapshot), and crashes relays silently
+(messages to them are lost; their neighbours get `on_peer_down` after `detection_delay_s` +
+latency).
 
 Instances read from a file may leave node pairs without a link (`Instance.linked`): such a
 prev/next-stage node is never announced, and a control message between unlinked nodes takes the
@@ -173,7 +174,7 @@ class RoutingSim:
         `renamed_from` the old one) before the giver has let go of it, so both walk the same
         relay entries; the giver's walk, under the name the relays still use, keeps them, and the
         route is counted once. Checked: `_check_snapshot` raises if a node ever carries more
-        routes than its limit.
+        routes than its limit or than the flow entries it holds.
         """
         walks: list[tuple[bool, Route, list[tuple[NodeId, Any]]]] = []
         for dh in self.instance.by_stage[0]:
@@ -217,7 +218,9 @@ class RoutingSim:
 
     def _check_snapshot(self, routes: list[Route]) -> None:
         """Raise AssertionError if a snapshot puts more routes through a node than it may carry
-        (min(demand, capacity) at a data holder): a route counted twice is a measurement bug."""
+        (min(demand, capacity) at a data holder), or more than the flow entries it holds (each
+        route through a node takes one entry of its own there, whatever the node's spare
+        capacity): a route counted twice is a measurement bug."""
         load = Counter(n for r in routes for n in r)
         by_id = self.instance.by_id
         for nid, n in load.items():
@@ -226,6 +229,11 @@ class RoutingSim:
             if n > limit:
                 raise AssertionError(f"routing snapshot at {self.engine.now:.3f} s: {nid} carries {n} routes, "
                                      f"limit {limit}")
+        for nid, n in load.items():
+            held = len(self.agents[nid].flows)
+            if n > held:
+                raise AssertionError(f"routing snapshot at {self.engine.now:.3f} s: {nid} carries {n} routes "
+                                     f"over {held} flow entries (a route counted twice)")
 
     def _holder(self, node: NodeId, keys: tuple[tuple[NodeId, int], ...], prev: NodeId) -> tuple[NodeId, Any]:
         """The node that holds the flow (under any of its names, preferring the one whose prev is
