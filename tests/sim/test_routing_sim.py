@@ -91,7 +91,23 @@ def test_route_json_has_every_method(capsys: pytest.CaptureFixture[str]) -> None
     assert result["gwtf"]["flow"] == result["optimal"]["flow"]
     assert {"converged_at_s", "messages"} <= set(result["gwtf"])
     assert "lower_bound_max_route_cost_s" in result["optimal"]
-    assert {"reconverged_at_s", "optimal_flow"} <= set(result["gwtf_after_crash"])
+    assert {"reconverged_at_s", "optimal_flow", "check_s", "flow_at_check", "max_route_cost_at_check_s",
+            "optimal_lower_bound_max_route_cost_s"} <= set(result["gwtf_after_crash"])
+
+
+def test_a_run_keeps_its_routes_at_the_check_time() -> None:
+    """`check_s`: the best recent snapshot at the first tick that far into the run (how the
+    re-convergence target, 60 virtual s after a crash, is scored); the end routes when the run
+    stopped before."""
+    inst = generate_instance(24, 4, 4, seed=1)
+    early = RoutingSim(inst, seed=1).run(300.0, check_s=3.0)
+    assert early.check_routes is not None and early.end_s > 3.0
+    at_check, at_end = evaluate_routes(inst, early.check_routes), evaluate_routes(inst, early.routes)
+    assert at_check.max_route_cost_s > at_end.max_route_cost_s  # annealing went on after 3 s
+    late = RoutingSim(inst, seed=1).run(300.0, check_s=1e6)
+    assert late.check_routes == late.routes
+    assert RoutingSim(inst, seed=1).run(300.0).check_routes is None
+    assert late.routes == early.routes  # watching does not change the run
 
 
 @pytest.mark.parametrize("seed", [3, 4])

@@ -47,6 +47,7 @@ class RoutingOutcome:
     end_s: float  # virtual time when the run stopped
     flow_reached_at_s: float | None = None  # first time the flow hit `target_flow` (if asked)
     routes_changed_at_s: float = 0.0  # last change of any route (= converged_at_s with stop_when="routes")
+    check_routes: tuple[Route, ...] | None = None  # the best snapshot `check_s` into the run (if asked)
 
 
 def peer_info(spec: NodeSpec) -> PeerInfo:
@@ -95,8 +96,12 @@ class RoutingSim:
 
     # ------------------------------------------------------------------------------ public
 
-    def run(self, time_limit_s: float = 600.0, target_flow: int | None = None) -> RoutingOutcome:
-        """Start (first call) and run until the routes are stable or `time_limit_s` more virtual s."""
+    def run(self, time_limit_s: float = 600.0, target_flow: int | None = None,
+            check_s: float | None = None) -> RoutingOutcome:
+        """Start (first call) and run until the routes are stable or `time_limit_s` more virtual s.
+
+        `check_s`: also keep the routes of the first tick `check_s` or more virtual s into the run
+        (the same best recent snapshot the run returns; its end routes if it stopped before)."""
         if not self._started:
             self._start()
         start_s, msgs0 = self.engine.now, self.messages
@@ -108,6 +113,8 @@ class RoutingSim:
         def monitor() -> None:
             routes = self.routes()
             state.observe(self.engine.now, routes)
+            if check_s is not None and state.checked is None and self.engine.now - start_s >= check_s - 1e-9:
+                state.checked = tuple(state.best)
             last = state.objective_change_s if by_objective else state.last_change_s
             if state.routes and self.engine.now - last >= stable_s:
                 state.done = True
@@ -120,9 +127,10 @@ class RoutingSim:
         self.engine.run(until_s=start_s + time_limit_s, stop=lambda: state.done)
         reached = None if state.reached_s is None else state.reached_s - start_s
         last = state.objective_change_s if by_objective else state.last_change_s
+        checked = state.checked if state.checked is not None or check_s is None else tuple(state.best)
         return RoutingOutcome(
             tuple(state.best), state.done, last - start_s,
-            self.messages - msgs0, self.engine.now - start_s, reached, state.last_change_s - start_s,
+            self.messages - msgs0, self.engine.now - start_s, reached, state.last_change_s - start_s, checked,
         )
 
     def _max_cost(self, routes: list[Route]) -> float:
@@ -364,6 +372,7 @@ class _Monitor:
         self.last_change_s = self.objective_change_s = start_s
         self.target_flow = target_flow
         self.reached_s: float | None = None
+        self.checked: tuple[Route, ...] | None = None  # the best snapshot at the run's check time
         self.done = False
 
     @property
