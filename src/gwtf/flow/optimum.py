@@ -532,7 +532,9 @@ def optimum(instance: Instance, exact: bool | None = None, time_limit_s: float =
     """Max flow, then min max route cost, then min sum; exact when small (or `exact=True`).
 
     `exact=None` picks exact for <= EXACT_MAX_NODES nodes when at most EXACT_PATH_LIMIT class
-    paths are no dearer than the heuristic's max. `time_limit_s` bounds each CP-SAT solve.
+    paths are no dearer than the heuristic's max. `time_limit_s` bounds each CP-SAT solve (wall
+    clock); in the automatic choice a solve that gives no answer in time leaves the heuristic's
+    result (method "heuristic"), with `exact=True` it raises TimeoutError.
     """
     graph = class_graph(instance)
     if any(not np.isfinite(c).all() for c in graph.cost):
@@ -548,8 +550,12 @@ def optimum(instance: Instance, exact: bool | None = None, time_limit_s: float =
     if want_exact:
         paths = enumerate_paths(graph, upper, EXACT_PATH_LIMIT if exact is None else 1 << 62)
         if paths is not None:
-            groups = exact_groups(graph, flow, paths, bound, time_limit_s)
-            method = "exact-cpsat"
+            try:
+                groups = exact_groups(graph, flow, paths, bound, time_limit_s)
+                method = "exact-cpsat"
+            except TimeoutError:
+                if exact:  # asked for exactly: no silent downgrade
+                    raise
     routes = split_to_routes(instance, graph, groups)
     stats = evaluate_routes(instance, routes)
     lb = stats.max_route_cost_s if method == "exact-cpsat" else min(bound, stats.max_route_cost_s)

@@ -376,13 +376,25 @@ class FlowAgent(FlowAnneal):
             self._set_down(e, msg.cost_s)
 
     def _send_checks(self) -> None:
-        for e in self.flows.values():
+        """Check every settled flow with its next and prev. A check to a peer reported down
+        (a notice or a check reply may have pointed the flow at it after the report) would go
+        unanswered for good: it counts as failed, as a 'do not hold it' reply would."""
+        down = self.down_peers
+        for e in list(self.flows.values()):
             if e.pending or e.locked or e.next is None:
                 continue
             if e.next != e.origin:
-                self._send(e.next, FlowCheck(e.origin, e.flow_id, "prev", 0.0 if self.is_dh else e.up_s))
+                if e.next in down:
+                    self._check_failed(e, "prev")
+                    if self.flows.get(e.key) is not e or e.pending:
+                        continue
+                else:
+                    self._send(e.next, FlowCheck(e.origin, e.flow_id, "prev", 0.0 if self.is_dh else e.up_s))
             if not self.is_dh:
-                self._send(e.prev, FlowCheck(e.origin, e.flow_id, "next", e.down_s))
+                if e.prev in down:
+                    self._check_failed(e, "next")
+                else:
+                    self._send(e.prev, FlowCheck(e.origin, e.flow_id, "next", e.down_s))
 
     def _on_check(self, sender: NodeId, msg: FlowCheck) -> None:
         key = (msg.origin, msg.flow_id)
@@ -407,18 +419,27 @@ class FlowAgent(FlowAnneal):
         if mine != sender:
             return
         if msg.holder and msg.holder != self.me.id:
-            if msg.side == "prev":
+            if msg.holder in self.down_peers:  # handed over to a peer that has died since: lost
+                self._flow_lost(e, msg.side)
+            elif msg.side == "prev":
                 e.next = msg.holder
             else:
                 e.prev = msg.holder
             return
+        self._check_failed(e, msg.side)
+
+    def _check_failed(self, e: FlowEntry, side: str) -> None:
+        """A check of `e` on `side` (as in FlowCheck: "prev" = the one sent to my next) failed;
+        the second failure gives the flow up there."""
         e.check_fails += 1
-        if e.check_fails < 2:
-            return
-        if msg.side == "prev":
-            self._repair(e)  # my next does not know the flow: rebuild downstream
+        if e.check_fails >= 2:
+            self._flow_lost(e, side)
+
+    def _flow_lost(self, e: FlowEntry, side: str) -> None:
+        if side == "prev":
+            self._repair(e)  # my next does not hold the flow: rebuild downstream
         elif not self.is_dh:
-            self._drop(e, cancel_next=True)  # my prev does not know it: release it
+            self._drop(e, cancel_next=True)  # my prev does not hold it: release it
 
 
 def _switch_fields(msg: FlowSwitch) -> tuple[str, int, str, str, str, float]:

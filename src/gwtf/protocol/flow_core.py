@@ -28,6 +28,7 @@ INF = INF_COST_S
 COST_EPS_S = 1e-9
 FlowKey = tuple[NodeId, int]
 """A flow's name: (origin data holder, flow id chosen by that data holder)."""
+DOWN_PEERS_KEPT = 4096  # peers reported down and not up since, remembered (oldest forgotten first)
 
 
 _TARGETS: dict[tuple[str, ...], tuple[str, ...]] = {}  # one shared object per target tuple
@@ -174,6 +175,7 @@ class FlowCore:
         self.prev_peers: dict[NodeId, Neighbour] = {}
         self.same_peers: dict[NodeId, Neighbour] = {}
         self.next_peers: dict[NodeId, Neighbour] = {}
+        self.down_peers: dict[NodeId, None] = {}  # reported down (on_peer_down), not up since; in order
         self.flows: dict[FlowKey, FlowEntry] = {}
         self.tombstones: dict[FlowKey, tuple[NodeId, float]] = {}  # handed over -> (holder, until)
         self.now = 0.0
@@ -252,6 +254,7 @@ class FlowCore:
     def _add_peer(self, info: PeerInfo, link: LinkEstimate) -> None:
         if info.id == self.me.id:
             return
+        self.down_peers.pop(info.id, None)
         nb = Neighbour(info, link, self._edge_cost(info, link))
         if info.stage == self.next_stage:
             self.next_peers[info.id] = nb
@@ -262,6 +265,11 @@ class FlowCore:
         self._dirty = self.costs_dirty = True
 
     def _remove_peer(self, peer: NodeId) -> None:
+        down = self.down_peers
+        down.pop(peer, None)
+        if len(down) >= DOWN_PEERS_KEPT:
+            down.pop(next(iter(down)))
+        down[peer] = None
         for table in (self.prev_peers, self.same_peers, self.next_peers):
             table.pop(peer, None)
         self._dirty = self.costs_dirty = True

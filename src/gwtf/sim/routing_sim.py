@@ -6,8 +6,9 @@ their timers, tells each agent its prev / same / next-stage neighbours at start 
 link as if measured: both directions averaged, so the agent's d(i,j) equals the instance's), runs
 until it is stable for `stable_ticks` ticks (or a virtual time limit), extracts the
 routes by following every data holder's flows (each relay entry in at most one route, checked
-against every node's limit on every snapshot), and crashes relays silently (messages to them are
-lost; their neighbours get `on_peer_down` after `detection_delay_s` + latency).
+against every node's limit and its flow entries on every snapshot), and crashes relays silently
+(messages to them are lost; their neighbours get `on_peer_down` after `detection_delay_s` +
+latency).
 
 Instances read from a file may leave node pairs without a link (`Instance.linked`): such a
 prev/next-stage node is never announced, and a control message between unlinked nodes takes the
@@ -46,6 +47,7 @@ class RoutingOutcome:
     end_s: float  # virtual time when the run stopped
     flow_reached_at_s: float | None = None  # first time the flow hit `target_flow` (if asked)
     routes_changed_at_s: float = 0.0  # last change of any route (= converged_at_s with stop_when="routes")
+    check_routes: tuple[Route, ...] | None = None  # the best snapshot `check_s` into the run (if asked)
 
 
 def peer_info(spec: NodeSpec) -> PeerInfo:
@@ -94,8 +96,12 @@ class RoutingSim:
 
     # ------------------------------------------------------------------------------ public
 
-    def run(self, time_limit_s: float = 600.0, target_flow: int | None = None) -> RoutingOutcome:
-        """Start (first call) and run until the routes are stable or `time_limit_s` more virtual s."""
+    def run(self, time_limit_s: float = 600.0, target_flow: int | None = None,
+            check_s: float | None = None) -> RoutingOutcome:
+        """Start (first call) and run until the routes are stable or `time_limit_s` more virtual s.
+
+        `check_s`: also keep the routes of the first tick `check_s` or more virtual s into the run
+        (the same best recent snapshot the run returns; its end routes if it stopped before)."""
         if not self._started:
             self._start()
         start_s, msgs0 = self.engine.now, self.messages
@@ -107,6 +113,8 @@ class RoutingSim:
         def monitor() -> None:
             routes = self.routes()
             state.observe(self.engine.now, routes)
+            if check_s is not None and state.checked is None and self.engine.now - start_s >= check_s - 1e-9:
+                state.checked = tuple(state.best)
             last = state.objective_change_s if by_objective else state.last_change_s
             if state.routes and self.engine.now - last >= stable_s:
                 state.done = True
@@ -119,9 +127,10 @@ class RoutingSim:
         self.engine.run(until_s=start_s + time_limit_s, stop=lambda: state.done)
         reached = None if state.reached_s is None else state.reached_s - start_s
         last = state.objective_change_s if by_objective else state.last_change_s
+        checked = state.checked if state.checked is not None or check_s is None else tuple(state.best)
         return RoutingOutcome(
             tuple(state.best), state.done, last - start_s,
-            self.messages - msgs0, self.engine.now - start_s, reached, state.last_change_s - start_s,
+            self.messages - msgs0, self.engine.now - start_s, reached, state.last_change_s - start_s, checked,
         )
 
     def _max_cost(self, routes: list[Route]) -> float:
@@ -173,7 +182,7 @@ class RoutingSim:
         `renamed_from` the old one) before the giver has let go of it, so both walk the same
         relay entries; the giver's walk, under the name the relays still use, keeps them, and the
         route is counted once. Checked: `_check_snapshot` raises if a node ever carries more
-        routes than its limit.
+        routes than its limit or than the flow entries it holds.
         """
         walks: list[tuple[bool, Route, list[tuple[NodeId, Any]]]] = []
         for dh in self.instance.by_stage[0]:
@@ -217,7 +226,9 @@ class RoutingSim:
 
     def _check_snapshot(self, routes: list[Route]) -> None:
         """Raise AssertionError if a snapshot puts more routes through a node than it may carry
-        (min(demand, capacity) at a data holder): a route counted twice is a measurement bug."""
+        (min(demand, capacity) at a data holder), or more than the flow entries it holds (each
+        route through a node takes one entry of its own there, whatever the node's spare
+        capacity): a route counted twice is a measurement bug."""
         load = Counter(n for r in routes for n in r)
         by_id = self.instance.by_id
         for nid, n in load.items():
@@ -226,6 +237,11 @@ class RoutingSim:
             if n > limit:
                 raise AssertionError(f"routing snapshot at {self.engine.now:.3f} s: {nid} carries {n} routes, "
                                      f"limit {limit}")
+        for nid, n in load.items():
+            held = len(self.agents[nid].flows)
+            if n > held:
+                raise AssertionError(f"routing snapshot at {self.engine.now:.3f} s: {nid} carries {n} routes "
+                                     f"over {held} flow entries (a route counted twice)")
 
     def _holder(self, node: NodeId, keys: tuple[tuple[NodeId, int], ...], prev: NodeId) -> tuple[NodeId, Any]:
         """The node that holds the flow (under any of its names, preferring the one whose prev is
@@ -356,6 +372,7 @@ class _Monitor:
         self.last_change_s = self.objective_change_s = start_s
         self.target_flow = target_flow
         self.reached_s: float | None = None
+        self.checked: tuple[Route, ...] | None = None  # the best snapshot at the run's check time
         self.done = False
 
     @property

@@ -64,6 +64,19 @@ def test_auto_picks_exact_when_small_and_bound_holds() -> None:
     assert auto.lower_bound_max_route_cost_s == auto.stats.max_route_cost_s
 
 
+def test_an_exact_solve_out_of_time_leaves_the_heuristic_in_the_automatic_choice() -> None:
+    """CP-SAT's limit is wall clock: on a loaded machine the automatic choice must not crash a
+    benchmark (issue 17's re-convergence runs died at N=60 with 'CP-SAT gave no answer')."""
+    inst = generate_instance(18, 3, 2, seed=4, relay_capacity=(1, 4))
+    starved = optimum(inst, time_limit_s=1e-9)
+    heur = optimum(inst, exact=False)
+    assert starved.method == "heuristic"
+    assert starved.stats == heur.stats
+    assert starved.lower_bound_max_route_cost_s == heur.lower_bound_max_route_cost_s
+    with pytest.raises(TimeoutError):
+        optimum(inst, exact=True, time_limit_s=1e-9)
+
+
 def test_large_instance_uses_the_heuristic_and_is_deterministic() -> None:
     inst = generate_instance(200, 5, 8, seed=2)
     a, b = optimum(inst), optimum(inst)

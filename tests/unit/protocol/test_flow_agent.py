@@ -284,3 +284,63 @@ def test_swap_next_hops_trades_tails_renames_them_and_scores_like_the_instance()
         assert e.down_s == pytest.approx(inst.route_cost_s(route))
     assert a.flows[ea.key].next == route_b[2] and b.flows[eb.key].next == route_a[2]
     assert all(n == 1 for n in _relay_flow_counts(h).values())
+
+
+def _exchange_then_crash_the_proposer() -> tuple[Harness, Any, Any]:
+    """r2a proposes an exchange of its flow with r2b's (by hand, annealing off); r2b accepts,
+    leaves a tombstone for its old flow pointing at r2a and installs r2a's; r2a crashes before
+    the accept arrives. Returns the harness (just after the crash) and the two flow keys."""
+    cfg = dataclasses.replace(FlowConfig(), anneal_probability=0.0)
+    inst = tiny_instance(demand=2, relay_capacity=1, stages=4)
+    h = Harness(inst, cfg=cfg)
+    h.run(20.0)
+    assert len(h.routes()) == 2
+    a, b = h.agents["r2a"], h.agents["r2b"]
+    (ea,), (eb,) = a.flows.values(), b.flows.values()
+    effects = b.on_message("r2a", FlowQuery(tuple(sorted({ea.prev, ea.next or ""}))), h.now)
+    (table,) = [eff.msg for eff in effects if isinstance(eff, Send)]
+    a._propose("r2b", table, _Move(0.0, "exchange", 0, ea))
+    h.apply("r2a", a._flush())
+    h.step()  # r2b has the proposal and accepts; its answer is still on the way
+    assert eb.key not in b.flows and b.tombstones[eb.key][0] == "r2a" and ea.key in b.flows
+    h.crash("r2a")
+    return h, ea.key, eb.key
+
+
+def test_a_tombstone_to_a_relay_that_died_mid_exchange_does_not_strand_the_route() -> None:
+    """Regression (issue 17): the exchange's tombstone at r2b points at r2a, which died before
+    the accept arrived. The neighbours of r2b's old flow (r1b, r3b) were told r2a is down while
+    the flow was still at r2b; their next consistency check then learned 'r2a holds it' and
+    re-pointed the flow at the dead peer, whose silence never failed a check: a half-route held
+    r1b and r3b for good (`gwtf route --nodes 200 --stages 8 --data-holders 16 --seed 1002
+    --crash-fraction 0.1`: flow 227 of 228). The route must be released or rebuilt."""
+    h, _, _ = _exchange_then_crash_the_proposer()
+    h.run(60.0)  # four consistency-check periods
+    for nid, agent in h.agents.items():
+        if nid in h.dead:
+            continue
+        for e in agent.flows.values():
+            assert "r2a" not in (e.prev, e.next), f"{nid} still routes {e.key} through the dead r2a"
+    routes = h.routes()  # checks names and prevs hop by hop
+    assert len(routes) == 1  # stage 2 has one survivor of capacity 1
+    assert len(h.agents["dh"].flows) == 1
+    through = {nid: sum(nid in r for r in routes) for nid in _relay_flow_counts(h)}
+    assert through == _relay_flow_counts(h)
+
+
+def test_a_check_of_a_flow_at_a_dead_peer_fails_like_an_unanswered_one() -> None:
+    """A flow whose next hop is a peer already reported down (however it got there) is not
+    checked forever into silence: each check it cannot send counts as a failed one, and the
+    usual two failures rebuild the downstream part."""
+    cfg = dataclasses.replace(FlowConfig(), anneal_probability=0.0)
+    inst = tiny_instance(demand=1, relay_capacity=2, stages=3)
+    h = Harness(inst, cfg=cfg)
+    h.run(15.0)
+    assert h.routes() == [("dh", "r1a", "r2a")]
+    h.crash("r2b")
+    r1a = h.agents["r1a"]
+    (e,) = r1a.flows.values()
+    e.next = "r2b"  # as a late notice would have left it
+    h.run(2 * cfg.check_every_ticks * cfg.tick_s + 2.0)
+    assert h.routes() == [("dh", "r1a", "r2a")]
+    assert _relay_flow_counts(h) == {"r1a": 1, "r1b": 0, "r2a": 1}
