@@ -107,7 +107,7 @@ class RuntimeConfig:
     status_period_s: float = 0.5  # how often a node rewrites DIR/nodes/<id>/status.json
     ready_timeout_s: float = 90.0  # launcher: deadline for a node's READY line
     wan: str = ""  # "" = no WAN emulation; else a network name (e.g. "geo10") whose delays are emulated
-    fault: str = ""  # fault injection for chaos tests, e.g. "kill:forward:iter=2:mb=1" (docs/runtime.md)
+    fault: str = ""  # fault injection for chaos tests, e.g. "crash:compute=forward:iter=2:mb=1" (docs/faults.md)
     start_members: int = 0  # leader: hold iteration 0 until this many nodes are members (0 = a replica per stage)
     chunk_bytes: int = 32 * 2**20  # a larger message body travels in chunks of this size, at most max_frame_bytes/2
     max_transfer_bytes: int = 64 * 2**30  # receiver: cap on one chunked message's declared body

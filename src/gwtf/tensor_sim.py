@@ -2,9 +2,9 @@
 
 Owns `TensorSimulator` (a `sim.simulator.Simulator` whose nodes each carry a runtime `Host`:
 the simulator still decides WHEN a message arrives and WHEN a compute finishes; the Host, the
-very seam the real node process uses, does the math), `ComputeFault` (crash a node at a protocol
-point: when it issues its n-th compute of a kind), `relay_crash_schedule` (seeded crashes of
-relays only, one never-crashed replica per stage), `reference_stages` (the `gwtf train --local`
+very seam the real node process uses, does the math), `relay_crash_schedule` (seeded crashes of
+relays only, one never-crashed replica per stage, as `protocol.faults.Fault`s: a time, a record or
+a compute trigger), `reference_stages` (the `gwtf train --local`
 iterations on the same data) and `compare_stages` (max abs / rel parameter differences).
 
 Tensor life cycle (what a real crash loses, and only that):
@@ -41,6 +41,7 @@ from gwtf.model.presets import model_spec
 from gwtf.model.stage import build_stage
 from gwtf.model.trainer import StageOptimizer, train_iteration
 from gwtf.protocol.base import Message
+from gwtf.protocol.faults import Fault
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute, Effect, FreeIteration
@@ -48,7 +49,7 @@ from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.systems import get_system
 from gwtf.runtime.drive import Host
 from gwtf.runtime.node import NodeIdentity
-from gwtf.sim.scenario import Fault, ScenarioConfig, build
+from gwtf.sim.scenario import ScenarioConfig, build
 from gwtf.sim.simulator import Simulator
 
 StageWeights = dict[str, Tensor]
@@ -65,15 +66,6 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-@dataclass(frozen=True, slots=True)
-class ComputeFault:
-    """Crash `node` right when it issues its `count`-th Compute of `kind` (the job is lost)."""
-
-    node: str
-    kind: str  # forward | backward | loss | export_grad | step | reset_grad | ...
-    count: int = 1
-
-
 @dataclass(slots=True)
 class TensorRun:
     """What a run leaves: the simulator's summary and the live replicas' tensors."""
@@ -85,7 +77,7 @@ class TensorRun:
     step_hashes: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)  # (stage, it) -> node -> hash
     losses: dict[int, list[float]] = field(default_factory=dict)  # iteration -> losses computed
     crashed: list[str] = field(default_factory=list)  # nodes crashed, in order
-    crash_points: list[str] = field(default_factory=list)  # "node:kind#n" of compute faults that fired
+    crash_points: list[str] = field(default_factory=list)  # "node:kind#n" of compute-triggered faults that fired
     contract_violations: list[str] = field(default_factory=list)
 
 
@@ -104,8 +96,7 @@ class TensorSimulator(Simulator):
 
     def __init__(self, sc: ScenarioConfig, seed: int, cfg: Config, dataset: TokenDataset, *,
                  out_dir: str | Path, built: tuple[Instance, TrainParams] | None = None,
-                 compute_faults: Sequence[ComputeFault] = (), dtype: torch.dtype = torch.float64,
-                 system: str = "gwtf") -> None:
+                 dtype: torch.dtype = torch.float64, system: str = "gwtf") -> None:
         super().__init__(sc, seed, get_system(system, sc.protocol), built if built is not None else build(sc, seed))
         self.cfg = config_for(sc, cfg)
         self.dataset = dataset
@@ -116,8 +107,6 @@ class TensorSimulator(Simulator):
         self.shard_of = {n: d for d, n in enumerate(self.inst.by_stage[0])}
         if len(self.shard_of) != self.cfg.train.data_holders:
             raise ValueError("scenario data holders and config train.data_holders differ")
-        self.compute_faults = {(f.node, f.kind): f.count for f in compute_faults}
-        self.compute_seen: dict[tuple[str, str], int] = {}
         self._wire: dict[tuple[str, str, int], tuple[Message, list[list[np.ndarray]]]] = {}
         self.result = TensorRun(summary={}, stage_of={}, version_of={}, weights={})
 
@@ -177,19 +166,11 @@ class TensorSimulator(Simulator):
 
     def _apply(self, node: str, effects: list[Effect]) -> None:
         host = self.hosts.get(node)
-        crash = False
-        for e in effects:
-            if host is not None and type(e) is FreeIteration:
-                host.free_iteration(e)
-            elif type(e) is Compute and (node, e.kind) in self.compute_faults:
-                seen = self.compute_seen.get((node, e.kind), 0) + 1
-                self.compute_seen[(node, e.kind)] = seen
-                if seen == self.compute_faults[(node, e.kind)]:
-                    crash = True
-                    self.result.crash_points.append(f"{node}:{e.kind}#{seen}")
-        super()._apply(node, effects)
-        if crash:
-            self.engine.schedule(self.engine.now, self.crash, node)
+        if host is not None:
+            for e in effects:
+                if type(e) is FreeIteration:
+                    host.free_iteration(e)
+        super()._apply(node, effects)  # compute-triggered faults: the base driver's FaultWatch
 
     def _compute_done(self, node: str, job: Compute, dur_s: float) -> None:
         host = self.hosts.get(node)
@@ -213,6 +194,8 @@ class TensorSimulator(Simulator):
             summary = super().run()
         r = self.result
         r.summary = summary
+        r.crash_points = [f"{x.node}:{x.point}#{x.fault.count}" for x in self.watch.fired
+                          if x.fault.trigger == "compute"]
         for node in sorted(self.cores):
             core, host = self.cores[node], self.hosts[node]
             if not core.active or host.worker is None:
@@ -225,12 +208,12 @@ class TensorSimulator(Simulator):
 
 def run_with_tensors(sc: ScenarioConfig, seed: int, cfg: Config, dataset: TokenDataset, *,
                      built: tuple[Instance, TrainParams] | None = None,
-                     compute_faults: Sequence[ComputeFault] = (), dtype: torch.dtype = torch.float64,
-                     out_dir: str | Path | None = None, system: str = "gwtf") -> TensorRun:
+                     dtype: torch.dtype = torch.float64, out_dir: str | Path | None = None,
+                     system: str = "gwtf") -> TensorRun:
     """One seeded simulation with real tensors; checkpoints (if any) go to a temporary folder."""
     with tempfile.TemporaryDirectory(prefix="gwtf-tensorsim-") as tmp:
         sim = TensorSimulator(sc, seed, cfg, dataset, out_dir=out_dir or tmp, built=built,
-                              compute_faults=compute_faults, dtype=dtype, system=system)
+                              dtype=dtype, system=system)
         sim.run()
         return sim.result
 
@@ -242,13 +225,13 @@ COMPUTE_POINTS = (ComputeKind.FORWARD, ComputeKind.BACKWARD, ComputeKind.EXPORT_
 
 
 def relay_crash_schedule(rng: random.Random, by_stage: Sequence[Sequence[str]], max_time_s: float,
-                         max_count: int, victims: int = 2) -> tuple[list[Fault], list[ComputeFault], list[str]]:
+                         max_count: int, victims: int = 2) -> tuple[list[Fault], list[str]]:
     """Crash up to `victims` relays at random protocol points; one replica per stage never crashes.
 
     Each victim gets one of: a crash at a random time in [0, max_time_s) (any phase), a crash
     right after its n-th protocol record (`RECORD_POINTS`; "contribute" = mid-backward), or a
     crash when it issues its n-th compute (`COMPUTE_POINTS`: mid-forward, mid-backward,
-    mid-aggregation, mid-step). Data holders never crash. Returns (faults, compute faults, victims).
+    mid-aggregation, mid-step). Data holders never crash. Returns (faults, victims).
     """
     pool: list[str] = []
     for stage_nodes in by_stage[1:]:
@@ -257,7 +240,6 @@ def relay_crash_schedule(rng: random.Random, by_stage: Sequence[Sequence[str]], 
         pool += nodes[1:]  # nodes[0] is this stage's survivor
     chosen = sorted(rng.sample(pool, min(victims, len(pool))))
     faults: list[Fault] = []
-    cfaults: list[ComputeFault] = []
     for node in chosen:
         how = rng.choice(("time", "record", "compute", "compute"))
         count = rng.randint(1, max_count)
@@ -266,8 +248,8 @@ def relay_crash_schedule(rng: random.Random, by_stage: Sequence[Sequence[str]], 
         elif how == "record":
             faults.append(Fault(event="crash", node=node, after_event=rng.choice(RECORD_POINTS), count=count))
         else:
-            cfaults.append(ComputeFault(node, rng.choice(COMPUTE_POINTS), count))
-    return faults, cfaults, chosen
+            faults.append(Fault(event="crash", node=node, after_compute=rng.choice(COMPUTE_POINTS), count=count))
+    return faults, chosen
 
 
 def reference_stages(cfg: Config, dataset: TokenDataset, iterations: int,

@@ -1,11 +1,12 @@
 """kill -9 at named protocol points: training continues and the exactly-once ledger holds.
 
 Four real node processes (data holders dh0, dh1; relays r1a, r1b of stage 1 of 2). One node
-carries a fault (`runtime.fault`, docs/runtime.md) that SIGKILLs it at a protocol point: a relay
+carries a fault (`runtime.fault`, docs/faults.md) that SIGKILLs it at a protocol point: a relay
 mid-forward or mid-backward at its first microbatch from iteration 2 on (the router decides which
 replica carries an iteration, and may send all of one iteration through the other relay), or during
 aggregation of iteration 2 (before its gradient is shared), or a data holder mid-microbatch of
-iteration 2. The swarm must finish all iterations, the ledger
+iteration 2, or a relay right after its first `contribute` record from iteration 2 on (a record
+trigger: mid-backward, its gradient reported but not yet sent). The swarm must finish all iterations, the ledger
 checked from the node logs must show every expected microbatch counted exactly once at every
 stage with identical replica weights, the victim must have died by SIGKILL at that point, and
 the fixtures prove that no process outlives the test.
@@ -33,12 +34,13 @@ SPREAD = ('protocol.router="greedy"',)
 @pytest.mark.parametrize(
     ("victim", "fault", "router"),
     [
-        ("r1a", "kill:forward:from=2", SPREAD),
-        ("r1a", "kill:backward:from=2", SPREAD),
-        ("r1a", "kill:aggregate:iter=2", ()),
-        ("dh1", "kill:loss:iter=2:mb=1", ()),
+        ("r1a", "crash:compute=forward:from=2", SPREAD),
+        ("r1a", "crash:compute=backward:from=2", SPREAD),
+        ("r1a", "crash:compute=aggregate:iter=2", ()),
+        ("dh1", "crash:compute=loss:iter=2:mb=1", ()),
+        ("r1a", "crash:after=contribute:from=2", SPREAD),
     ],
-    ids=["relay-forward", "relay-backward", "relay-aggregation", "data-holder"],
+    ids=["relay-forward", "relay-backward", "relay-aggregation", "data-holder", "relay-record"],
 )
 def test_kill_at_protocol_point_is_survived_exactly_once(
     make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]], victim: str, fault: str,

@@ -226,7 +226,7 @@ def test_a_state_source_killed_while_exporting_leaves_the_joiner_to_restore_the_
     """Stage 1 is down to r1a, which dies as it starts exporting its state to a joiner (a fault at
     export_state, of a version >= 6: not the start-up joins): the joiner, not a member, hears of its source's death and, with no replica
     left, restores the stage from the checkpoint; the swarm rolls back to it and goes on."""
-    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, LONG), faults={"r1a": "kill:export_state:from=6"})
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, LONG), faults={"r1a": "crash:compute=export_state:from=6"})
     with swarm:
         swarm.start()
         assert swarm.run_until(6, 60.0), swarm.log_tails()

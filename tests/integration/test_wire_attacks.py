@@ -41,7 +41,7 @@ def _log(swarm: Swarm, name: str) -> str:
 def test_a_flipped_bit_in_a_tensor_frame_closes_that_connection_and_training_finishes(
     make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]],
 ) -> None:
-    swarm = make_swarm(OVERRIDES + SPREAD, faults={"r1a": "flip:forward:from=2"})
+    swarm = make_swarm(OVERRIDES + SPREAD, faults={"r1a": "flip:compute=forward:from=2"})
     swarm.start()
     totals = finish(swarm, ITERATIONS, 120.0)
     fired = [r for r in swarm.metrics.records.get("r1a", []) if r.get("event") == "fault"]

@@ -37,7 +37,6 @@ from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute
 from gwtf.sim.scenario import Fault, ScenarioConfig, build, load_scenario
 from gwtf.tensor_sim import (
-    ComputeFault,
     StageWeights,
     TensorRun,
     TensorSimulator,
@@ -137,11 +136,11 @@ def _churn_run(setup: Setup, seed: int, victims: int) -> tuple[TensorRun | None,
     """(run or None, schedule text, error text) of one seeded crash schedule."""
     rng = random.Random(f"real-tensors:{seed}")
     duration_s = float(setup.no_churn.summary["training_time_s"])
-    faults, cfaults, chosen = relay_crash_schedule(rng, setup.built[0].by_stage, duration_s, 3, victims)
+    faults, chosen = relay_crash_schedule(rng, setup.built[0].by_stage, duration_s, 3, victims)
     sc = replace(setup.sc, faults=tuple(faults))
-    schedule = f"seed={seed} victims={chosen} faults={faults} compute_faults={cfaults}"
+    schedule = f"seed={seed} victims={chosen} faults={[f.spec() for f in faults]}"
     try:
-        run = run_with_tensors(sc, seed, setup.cfg, setup.dataset, built=setup.built, compute_faults=cfaults)
+        run = run_with_tensors(sc, seed, setup.cfg, setup.dataset, built=setup.built)
     except RuntimeError as exc:  # a compute found a tensor or graph missing: a protocol bug
         return None, schedule, str(exc)
     return run, schedule, ""
@@ -247,11 +246,9 @@ def test_a_broadcast_tree_passes_the_real_reduced_gradient_on(setup: Setup) -> N
     failures = []
     for seed in range(5):
         faults: list[Fault] = []
-        cfaults: list[ComputeFault] = []
         if seed:
-            faults, cfaults, _ = relay_crash_schedule(random.Random(f"tree:{seed}"), built[0].by_stage,
+            faults, _ = relay_crash_schedule(random.Random(f"tree:{seed}"), built[0].by_stage,
                                                       float(setup.no_churn.summary["training_time_s"]), 6, 3)
-        run = run_with_tensors(replace(sc, faults=tuple(faults)), seed, setup.cfg, setup.dataset, built=built,
-                               compute_faults=cfaults)
+        run = run_with_tensors(replace(sc, faults=tuple(faults)), seed, setup.cfg, setup.dataset, built=built)
         failures += [f"seed {seed}: {p}" for p in _problems(run, setup.reference, initial)]
     assert failures == [], "\n".join(failures)

@@ -71,9 +71,9 @@ def _stage(text: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f'runtime.wan="{args.wan}"'] if args.wan else [])
     cfg: Config = load_config(args.config, overrides)
-    from gwtf.runtime.chaos import parse_fault
+    from gwtf.runtime.chaos import runtime_fault
 
-    parse_fault(cfg.runtime.fault)  # a malformed fault spec is a user error before anything starts
+    runtime_fault(cfg.runtime.fault)  # a malformed fault spec is a user error before anything starts
     cfg = apply_secret_file(cfg, args.secret_file, _hosts(args.listen, args.join))
     name = args.name or f"n{secrets.token_hex(3)}"
     if not _NAME.match(name):

@@ -18,6 +18,7 @@ from typing import Any
 
 from gwtf.config import dump_toml
 from gwtf.errors import UserError
+from gwtf.protocol.faults import parse_fault
 from gwtf.protocol.systems import get_system
 from gwtf.sim.plots import RunPlotData, plot_data, write_plots
 from gwtf.sim.scenario import ScenarioConfig, build, load_scenario
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=None,
                         help="comma-separated systems to compare, e.g. gwtf,swarm (default: protocol.system)")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    parser.add_argument("--fault", dest="faults", metavar="SPEC", action="append", default=[],
+                        help="add one scripted fault (repeatable), e.g. crash:t=30:node=n3 or "
+                             "crash:after=contribute:count=7 (docs/faults.md)")
     parser.add_argument(
         "--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
         help="override one scenario value (repeatable), e.g. --set churn.crash_rate_per_hour=0.33",
@@ -48,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sc = load_scenario(args.scenario, args.overrides)
+    if args.faults:  # appended to the scenario's own [[faults]]; checked like them
+        sc = replace(sc, faults=sc.faults + tuple(parse_fault(f, "--fault") for f in args.faults))
     names = sc.protocol.system if args.systems is None else args.systems
     systems = [s.strip() for s in names.split(",") if s.strip()]
     if not systems:
@@ -94,7 +100,7 @@ def _write_resolved(sc: ScenarioConfig, path: Path) -> None:
     text = "\n".join(line for line in dump_toml(replace(sc, faults=())).splitlines()
                      if not line.startswith("faults = ")) + "\n"
     for f in sc.faults:
-        text += "\n[[faults]]\n" + dump_toml(f)
+        text += "\n[[faults]]\n" + dump_toml(f.table())
     path.write_text(text, encoding="utf-8")
 
 

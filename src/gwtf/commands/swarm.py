@@ -1,7 +1,8 @@
 """`gwtf swarm`: a local swarm of node processes on loopback, with churn and a live table.
 
 Owns the command's flags (output folder, replicas per relay stage, churn level, WAN emulation,
-iterations, overall timeout, swarm secret file: checked before any node starts, passed to each)
+iterations, overall timeout, swarm secret file, per-node slowdowns and `--fault NODE=SPEC` chaos faults:
+checked before any node starts, passed to each)
 and the display loop: a live rich table on a terminal, one progress line every few seconds
 otherwise (and a line whenever a stage is left without an active node: "stalled: stage K has no
 node"). The processes, churn and metrics are `gwtf.runtime.swarm`.
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow", metavar="NODE=FACTOR", action="append", default=[],
                         help="make one initial node's compute FACTOR (>= 1) times slower, e.g. r1a=4 "
                              "(runtime.compute_slowdown for that node only; repeatable)")
+    parser.add_argument("--fault", dest="faults", metavar="NODE=SPEC", action="append", default=[],
+                        help="give one initial node a scripted fault (runtime.fault for that node only; "
+                             "repeatable), e.g. r1a=crash:compute=backward:from=2 (docs/faults.md)")
     parser.add_argument("--timeout-s", type=float, default=0.0, metavar="S",
                         help="give up after S seconds (default: 120 + 30 per iteration)")
     add_secret_argument(parser)
@@ -74,7 +78,29 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
     opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
                         regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume)
-    return cfg, replace(opts, slowdowns=parse_slowdowns(args.slow, cfg, opts))
+    return cfg, replace(opts, slowdowns=parse_slowdowns(args.slow, cfg, opts),
+                        faults=parse_node_faults(args.faults, cfg, opts))
+
+
+def parse_node_faults(specs: list[str], cfg: Config, opts: object) -> dict[str, str]:
+    """`--fault NODE=SPEC` flags -> {node name: spec}; UserError naming a bad one."""
+    from gwtf.runtime.chaos import runtime_fault
+    from gwtf.runtime.swarm import SwarmOptions, initial_plans
+
+    assert isinstance(opts, SwarmOptions)
+    names = [p.name for p in initial_plans(cfg, opts)]
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        if not sep or not text:
+            raise UserError(f"--fault {spec!r}: expected NODE=SPEC, e.g. r1a=crash:compute=forward:iter=2")
+        if name not in names:
+            raise UserError(f"--fault {spec!r}: no initial node {name!r} (nodes: {', '.join(names)})")
+        if name in out:
+            raise UserError(f"--fault {spec!r}: node {name!r} has a fault already (one per node)")
+        runtime_fault(text)  # FaultError (one line, exit 2) before any process starts
+        out[name] = text
+    return out
 
 
 def parse_slowdowns(specs: list[str], cfg: Config, opts: object) -> dict[str, float]:

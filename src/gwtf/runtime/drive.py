@@ -100,19 +100,6 @@ def job_id(eff: Compute) -> int:
     return eff.job_id
 
 
-def fault_point(eff: Compute) -> tuple[str, int | None, int | None, int]:
-    """(point, iteration, microbatch index, stage) of a compute effect, for fault matching."""
-    if eff.mb is not None:
-        return eff.kind, int(eff.mb[1]), int(eff.mb[2]), eff.stage
-    it = None
-    for key in eff.inputs + eff.outputs:
-        if len(key) > 2 and isinstance(key[2], int):
-            it = int(key[2])
-    aggregate = eff.kind in (ComputeKind.EXPORT_GRAD, ComputeKind.REDUCE, ComputeKind.STEP)
-    point = "aggregate" if aggregate else eff.kind
-    return point, it, None, eff.stage
-
-
 @dataclass(slots=True)
 class ComputeResult:
     """What a finished job reports back: records to log (e.g. the loss)."""

@@ -40,10 +40,11 @@ from typing import Any, assert_never
 from gwtf.config import Config
 from gwtf.errors import UserError
 from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer
+from gwtf.protocol.faults import FaultWatch, Firing
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.runtime import drive, keys
-from gwtf.runtime.chaos import FaultSpec, fault_from, kill_self
+from gwtf.runtime.chaos import fault_from, kill_self
 from gwtf.runtime.clock import Outbox, TimerTable, WanModel
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, RecordLog, dumps, node_dir, write_status
 from gwtf.runtime.transport import SendFailed, Transport, parse_addr
@@ -104,7 +105,8 @@ class NodeRuntime:
         self.ident = ident
         self.dir = node_dir(ident.out_dir, ident.name)
         self.records = RecordLog(self.dir / RECORDS_FILE)
-        self.fault: FaultSpec | None = fault_from(cfg.runtime.fault)
+        fault = fault_from(cfg.runtime.fault)
+        self.faults = FaultWatch([fault] if fault else [])  # runtime.fault (docs/faults.md)
         self.wan = WanModel.from_name(cfg.runtime.wan)
         if self.wan is not None:
             self.wan.check_region(ident.region)
@@ -154,6 +156,8 @@ class NodeRuntime:
             print("READY " + dumps(ready), flush=True)
             faulthandler.cancel_dump_traceback_later()
             log.info("READY node=%s stage=%s role=%s", self.node_id, self.host.stage, self.ident.role)
+            for i, f in enumerate(self.faults.timed):  # t=SECONDS: since the process started (t_s)
+                self.timers.set(("runtime", "fault", i), loop.time() + f.time_s - (time.monotonic() - self.started_s))
             self._apply(self.host.start(loop.time(), contact))
             await self.stop.wait()
         finally:
@@ -247,8 +251,8 @@ class NodeRuntime:
         elif isinstance(eff, Record):
             self._on_record(eff)
         elif isinstance(eff, Compute):
-            point, it, mb_index, stage = drive.fault_point(eff)
-            self._check_fault(point, {"iteration": it, "index": mb_index, "stage": stage})
+            if self.faults.computes:
+                self._fire(self.faults.on_compute(eff, self.ident.name))  # a crash loses the job
             self._submit(eff)
         elif isinstance(eff, FreeIteration):
             self.host.free_iteration(eff, submit=self._submit_job)
@@ -257,7 +261,8 @@ class NodeRuntime:
 
     def _on_record(self, eff: Record) -> None:
         event, fields = drive.record_of(eff)
-        self._check_fault(event, fields)
+        if self.faults.records:
+            self._fire(self.faults.on_record(event, self.ident.name, fields))  # before the record is written
         self.record(event, **fields)
         self._track(event, fields)
         if event == RecordName.SELF_STOP:
@@ -368,6 +373,9 @@ class NodeRuntime:
             self._check_stall()
             self._status_tick()
             return
+        if isinstance(key, tuple) and key[:2] == ("runtime", "fault"):
+            self._fire(self.faults.due(self.faults.timed[key[2]].time_s))  # set for exactly that time
+            return
         if self.host is not None and not self.stop.is_set():
             self._apply(self.host.core.on_timer(key, asyncio.get_running_loop().time()))
 
@@ -447,17 +455,14 @@ class NodeRuntime:
             "time_s": round(time.monotonic() - self.started_s, 3),
         })
 
-    def _check_fault(self, point: str, fields: dict[str, Any]) -> None:
-        if self.fault is None:
-            return
-        it, mb, stage = fields.get("iteration"), fields.get("index"), fields.get("stage")
-        if self.fault.matches(point, it if isinstance(it, int) else None, mb if isinstance(mb, int) else None,
-                              stage if isinstance(stage, int) else None):
-            self.record(RecordName.FAULT, point=point, iteration=it, index=mb, stage=stage, action=self.fault.action)
-            if self.fault.action == "flip":  # once: the next tensor frame sent carries a flipped bit
-                self.fault = None
+    def _fire(self, firings: list[Firing]) -> None:
+        """Carry out the faults that fire (`runtime.chaos`): flip the next tensor frame, or SIGKILL."""
+        for x in firings:
+            self.record(RecordName.FAULT, point=x.point, iteration=x.iteration, index=x.mb, stage=x.stage,
+                        action=x.fault.event)
+            if x.fault.event == "flip":  # the next tensor frame sent carries a flipped bit
                 self.transport.corrupt_next_frame()
-                return
+                continue
             self.records.close()
             sys.stdout.flush()
             kill_self()

@@ -4,7 +4,8 @@ Owns: the scenario dataclasses (TOML files in configs/scenarios/, loaded strictl
 `gwtf.config.from_dict`: unknown key or bad value -> UserError naming the key), `load_scenario`
 (file + `--set` overrides), and `build` (scenario + seed -> Instance, TrainParams, per-node
 speeds). A scenario is data: nodes (with the GPU mix, FLOP/s and bandwidth scales, downlink),
-model, iterations, churn rates, link instability, scripted faults, protocol knobs.
+model, iterations, churn rates, link instability, scripted faults (`gwtf.protocol.faults`:
+the one fault grammar, re-exported here as `Fault`), protocol knobs.
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -23,8 +24,13 @@ from gwtf.flow.instance import Instance
 from gwtf.flow.network import CONTROL_BYTES
 from gwtf.flow.profiles import resolve_mix
 from gwtf.model.presets import model_spec
+from gwtf.protocol.faults import Fault as Fault  # re-exported: the scenario's [[faults]] entries
+from gwtf.protocol.faults import parse_fault, require
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.systems import iteration_params
+
+SIM_ACTIONS = ("crash", "leave", "join", "cut", "degrade", "crash_stage")  # flip: the runtime's (wire bytes)
+SIM_TRIGGERS = ("time", "record", "compute")
 
 
 def _req(ok: bool, key: str, why: str) -> None:
@@ -122,29 +128,6 @@ class LinksSection:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Fault:
-    """One scripted fault. `event`: crash | leave | join | cut | degrade | crash_stage.
-
-    Triggered at `time_s`, or (when `after_event` is set) right after the `count`-th Record
-    named `after_event` (by `node` if given: "" = whichever node records it, crashing that one).
-    """
-
-    event: Literal["crash", "leave", "join", "cut", "degrade", "crash_stage"]
-    time_s: float = 0.0
-    node: str = ""
-    peer: str = ""  # cut / degrade: the other end of the link
-    stage: int = -1  # crash_stage: every replica of this stage
-    after_event: str = ""
-    count: int = 1
-    duration_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        _req(self.time_s >= 0, "faults.time_s", "must be >= 0")
-        _req(self.count >= 1, "faults.count", "must be >= 1")
-        _req(self.duration_s > 0, "faults.duration_s", "must be > 0")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class SimSection:
     compute_jitter: float = 0.05  # +- share of every compute duration (seeded)
     control_bytes: int = CONTROL_BYTES  # header bytes of every message (the runtime's WAN emulation: the same)
@@ -173,9 +156,11 @@ class ScenarioConfig:
     sim: SimSection = field(default_factory=SimSection)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)  # used when protocol.router = "flow"
-    faults: tuple[Fault, ...] = ()
+    faults: tuple[Fault, ...] = ()  # scripted faults: TOML tables or compact strings (docs/faults.md)
 
     def __post_init__(self) -> None:
+        for f in self.faults:
+            require(f, SIM_ACTIONS, SIM_TRIGGERS, f"scenario: faults {f.spec()!r}")
         relays = self.nodes.count - self.nodes.data_holders
         _req(relays >= self.model.stages - 1, "nodes.count",
              f"leaves {relays} relays for {self.model.stages - 1} relay stages: a stage with no node")
@@ -184,6 +169,9 @@ class ScenarioConfig:
 def load_scenario(path: str | Path | None, overrides: list[str] | None = None) -> ScenarioConfig:
     data: dict[str, Any] = read_toml(path) if path else {}
     data = merge_overrides(data, overrides or [])
+    faults = data.get("faults")
+    if isinstance(faults, list):  # each entry a [[faults]] table or a compact string: checked here
+        data["faults"] = [parse_fault(f, "scenario", f"faults[{i}]").table() for i, f in enumerate(faults)]
     return from_dict(ScenarioConfig, data)
 
 

@@ -1,7 +1,8 @@
 """The simulated driver: one NodeCore per node on the discrete-event Engine.
 
 Owns: `Simulator` (turns effects into engine events through the network and compute models;
-crashes, leaves, joins, link windows and scripted faults; feeds Records to the invariant
+crashes, leaves, joins, link windows and scripted faults (`protocol.faults.FaultWatch` says when
+one fires: the grammar and trigger semantics every driver shares); feeds Records to the invariant
 checker and the metrics) and `run_scenario` (one seeded run -> summary dict + timeline rows).
 The systems it runs (gwtf, the SWARM baseline) and the way a node's core is built are
 `gwtf.protocol.systems`: the runtime runs the same.
@@ -25,6 +26,7 @@ from typing import Any, assert_never
 from gwtf.flow.instance import Instance
 from gwtf.protocol.base import CancelTimer, Log, Message, Send, SetTimer
 from gwtf.protocol.core import NodeCore
+from gwtf.protocol.faults import Fault, FaultWatch, Firing
 from gwtf.protocol.invariants import InvariantChecker
 from gwtf.protocol.kinds import DISK_KINDS, ComputeKind, RecordName
 from gwtf.protocol.ledger import TrainParams
@@ -36,7 +38,7 @@ from gwtf.sim.churn import ChurnEvent, join_times, link_windows, node_lifetime_e
 from gwtf.sim.engine import Engine
 from gwtf.sim.metrics import Metrics
 from gwtf.sim.models import ComputeModel, LinkWindow, NetworkModel
-from gwtf.sim.scenario import Fault, ScenarioConfig, build
+from gwtf.sim.scenario import ScenarioConfig, build
 
 
 class Simulator:
@@ -59,7 +61,7 @@ class Simulator:
         self._joins = 0
         self.finished = False
         self.stage_lost = False
-        self.triggers: list[tuple[Fault, list[int]]] = []
+        self.watch = FaultWatch(())  # which scripted faults fire (docs/faults.md); armed by start()
         self.events_out = 0
         self.pending_steps = 0
         self._priors: dict[tuple[str, str], LinkEstimate] = {}
@@ -99,11 +101,10 @@ class Simulator:
                 self._draw_lifetime(info.id, 0.0)
         for w in link_windows(self.sc.links, [i.id for i in infos], self.rng, horizon):
             self.net.add_window(w)
-        for f in self.sc.faults:
-            if f.after_event:
-                self.triggers.append((f, [0]))
-            else:
-                self.engine.schedule(f.time_s, self._fault, f, f.node)
+        # armed only now: what the initial swarm records in on_start (t=0) counts toward no trigger
+        self.watch = FaultWatch(self.sc.faults)
+        for f in self.watch.timed:
+            self.engine.schedule(f.time_s, self._fault, f, f.node)
 
     def _add_core(self, info: PeerInfo, speed: float) -> None:
         core = build_core(self.system, info, self.sc.protocol, self.sc.flow, self.train,
@@ -124,6 +125,7 @@ class Simulator:
 
     def _apply(self, node: str, effects: list[Effect]) -> None:
         now = self.engine.now
+        fired: list[Firing] = []
         for e in effects:
             if isinstance(e, Send):
                 self._send(node, e.to, e.msg, now)
@@ -138,6 +140,8 @@ class Simulator:
                 if old is not None:
                     self.engine.cancel(old)
             elif isinstance(e, Compute):
+                if self.watch.computes:
+                    fired += self.watch.on_compute(e, node)
                 if e.kind == ComputeKind.STEP:
                     self.pending_steps += 1
                 size = e.size_bytes if e.kind in DISK_KINDS else 0  # checkpoint reads/writes: disk bandwidth
@@ -152,6 +156,8 @@ class Simulator:
         core = self.cores.get(node)
         if core is not None and not core.alive:
             self._remove(node, now, crashed=False)
+        for firing in fired:  # a compute trigger: the node is hit right after issuing the job (it is lost)
+            self.engine.schedule(now, self._fault, firing.fault, firing.node)
 
     def _send(self, src: str, dst: str, msg: Message, now: float) -> None:
         self.events_out += 1
@@ -209,11 +215,9 @@ class Simulator:
             self.stage_lost = True
         elif rec.event == RecordName.ROLLBACK:
             self.stage_lost = False
-        for fault, seen in self.triggers:
-            if fault.after_event == rec.event and (not fault.node or fault.node == node):
-                seen[0] += 1
-                if seen[0] == fault.count:
-                    self.engine.schedule(now, self._fault, fault, fault.node or node)
+        if self.watch.records:
+            for firing in self.watch.on_record(rec.event, node, f):
+                self.engine.schedule(now, self._fault, firing.fault, firing.node)
 
     # ---- churn -------------------------------------------------------------------------
 
@@ -276,7 +280,7 @@ class Simulator:
         elif f.event == "crash_stage":
             for nid in sorted(n for n, c in self.cores.items() if c.me.stage == f.stage):
                 self.crash(nid)
-        elif f.peer:
+        elif f.event in ("cut", "degrade"):  # the scenario requires a peer for both
             cut = f.event == "cut"
             self.net.add_window(LinkWindow(node, f.peer, now, now + f.duration_s,
                                            1.0 if cut else self.sc.links.latency_factor,
