@@ -65,14 +65,14 @@ GPU = Profile(
                "runtime.ready_timeout_s=180.0", "runtime.torch_threads=0"),
 )
 DRY = Profile(
-    name="dry-run", device="cpu", local_iterations=3, swarm_iterations=3, skip=1, swarm_timeout_s=120.0,
+    name="dry-run", device="cpu", local_iterations=3, swarm_iterations=3, skip=1, swarm_timeout_s=180.0,
     overrides=('model.preset="tiny"', "model.seq_len=16", "model.microbatch_size=2", "model.stages=3",
                'data.source="synthetic"', 'data.tokenizer="byte"', "data.synthetic_bytes=20000",
                "train.data_holders=1", "train.microbatches=2", "train.warmup_iterations=1",
                "train.eval_every=0", "train.eval_microbatches=1", "train.checkpoint_every=0",
                "train.torch_threads=1", "protocol.checkpoint_every=1000", "protocol.heartbeat_period_s=0.3",
                "protocol.suspect_after_s=3.0", "protocol.evict_after_s=6.0", "protocol.mb_deadline_floor_s=15.0",
-               "runtime.ready_timeout_s=60.0", "runtime.torch_threads=1"),
+               "runtime.ready_timeout_s=180.0", "runtime.torch_threads=1"),  # a loaded CI box starts slowly
 )
 
 
@@ -121,6 +121,7 @@ def run_swarm(profile: Profile, precision: str, out: Path) -> dict[str, Any]:
     """A local swarm (one replica per stage, every node on the profile's device)."""
     from gwtf.config import load_config
     from gwtf.model.tokenizer import vocab_size_for
+    from gwtf.runtime.launcher import NodeStartError
     from gwtf.runtime.swarm import Swarm, SwarmOptions
 
     overrides = _overrides(profile, precision, profile.swarm_iterations)
@@ -128,8 +129,12 @@ def run_swarm(profile: Profile, precision: str, out: Path) -> dict[str, Any]:
     opts = SwarmOptions(out_dir=out, replicas=1, timeout_s=profile.swarm_timeout_s, overrides=tuple(overrides))
     t0 = time.monotonic()
     with Swarm(cfg, opts, say=lambda _: None) as swarm:
-        swarm.start()
-        done = swarm.run_until(profile.swarm_iterations, timeout_s=profile.swarm_timeout_s)
+        try:
+            swarm.start()
+            done = swarm.run_until(profile.swarm_iterations, timeout_s=profile.swarm_timeout_s)
+        except NodeStartError as exc:
+            sys.stderr.write(f"swarm ({precision}) did not start: {exc}\n")
+            done = False
         if not done:
             sys.stderr.write(f"swarm ({precision}) did not finish in {profile.swarm_timeout_s:.0f} s\n"
                              f"{swarm.log_tails()}\n")

@@ -103,3 +103,14 @@ def test_peak_memory_is_the_resident_peak_on_the_cpu() -> None:
     second = peak_memory_bytes("cpu")
     assert block.sum() > 0
     assert 10 * 2**20 < first <= second  # an interpreter with torch holds far more than 10 MiB
+
+
+@needs_no_cuda
+def test_the_gpu_check_without_cuda_points_to_the_dry_run(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--skip-tests", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "CUDA is not available" in lines[0] and "--dry-run" in lines[0]
+    assert not (tmp_path / "out").exists()
