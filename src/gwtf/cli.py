@@ -4,8 +4,9 @@ Owns: argument parsing and the mapping of user errors to one line on stderr + ex
 Each subcommand lives in `gwtf.commands.<name>` with two functions:
 `add_arguments(parser)` and `run(args) -> int`. The CLI stays thin: algorithm knobs are config
 fields (`--config FILE`, `--set section.key=value`), not flags. Also the flags shared by several
-commands: the config pair, and `--secret-file` of every command that starts nodes (checked before
-any process starts: `apply_secret_file`).
+commands: the config pair, `--secret-file` of every command that starts nodes (checked before
+any process starts: `apply_secret_file`), and `--device` of every command that trains (it stands
+for `train.device`; `check_device` refuses cuda without CUDA in one line).
 """
 
 from __future__ import annotations
@@ -78,6 +79,29 @@ def add_secret_argument(parser: argparse.ArgumentParser) -> None:
         help="swarm secret (write one with `gwtf secret new PATH`); default: runtime.secret_file, else "
              "$GWTF_SWARM_SECRET, else a public development secret, accepted on loopback addresses only",
     )
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """`--device` of every command that trains (= train.device for this run; docs/gpu.md)."""
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default=None,
+        help="where stages compute: auto = cuda when available, else cpu (default: train.device, "
+             "itself 'auto')",
+    )
+
+
+def device_overrides(args: argparse.Namespace) -> list[str]:
+    """`--device D` as the config override it stands for (`train.device="D"`), or nothing."""
+    device = getattr(args, "device", None)
+    return [f'train.device="{device}"'] if device else []
+
+
+def check_device(cfg: Config, args: argparse.Namespace) -> str:
+    """The device train.device resolves to here; UserError (one line, naming `--device` when the
+    flag was given) for cuda without CUDA. Imports torch: call it once the rest is checked."""
+    from gwtf.model.device import resolve_device
+
+    return resolve_device(cfg.train.device, "--device" if getattr(args, "device", None) else "train.device =")
 
 
 def apply_secret_file(cfg: Config, secret_file: str | None, hosts: Iterable[str]) -> Config:

@@ -83,6 +83,12 @@ class TrainConfig:
     time_limit_s: float = 0.0  # stop after this much wall time; 0 = no limit
     eval_every: int = 25  # iterations between validation-loss evaluations; 0 = only at the end
     eval_microbatches: int = 4  # fixed validation microbatches per evaluation
+    # where stages compute: "auto" = cuda when available, else cpu; `--device` overrides (docs/gpu.md)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # compute precision: "fp32", or "bf16-autocast" = bfloat16 autocast of forward/backward with
+    # float32 master weights and optimizer state (on the CPU it works but is slow); the wire
+    # always carries float32
+    precision: Literal["fp32", "bf16-autocast"] = "fp32"
 
     def __post_init__(self) -> None:
         _require(self.data_holders >= 1, "train.data_holders", "must be >= 1")

@@ -120,7 +120,7 @@ def test_outputs_and_metrics_fields(tmp_path: Path) -> None:
     train_local(tiny_config(tmp_path), out, say=lambda _: None)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
-    for key in ("loss", "tokens", "time_s", "lr", "tokens_per_s", "grad_norms"):
+    for key in ("loss", "tokens", "time_s", "lr", "tokens_per_s", "grad_norms", "peak_memory_bytes"):
         assert all(key in r for r in rows), key
     assert all(r["tokens"] == 2 * 2 * 4 * 32 for r in rows)
     assert [("val_loss" in r) for r in rows] == [False, True, False, True]
@@ -130,7 +130,7 @@ def test_outputs_and_metrics_fields(tmp_path: Path) -> None:
 
 
 def _comparable(rows: list[dict[str, object]]) -> list[dict[str, object]]:
-    return [{k: v for k, v in r.items() if k not in ("time_s", "tokens_per_s")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("time_s", "tokens_per_s", "peak_memory_bytes")} for r in rows]
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:

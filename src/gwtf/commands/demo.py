@@ -18,7 +18,14 @@ import shutil
 import tomllib
 from pathlib import Path
 
-from gwtf.cli import add_config_arguments, add_secret_argument, apply_secret_file
+from gwtf.cli import (
+    add_config_arguments,
+    add_device_argument,
+    add_secret_argument,
+    apply_secret_file,
+    check_device,
+    device_overrides,
+)
 from gwtf.config import Config, from_dict, load_config, merge_overrides
 
 __all__ = ["DEFAULT_OUT", "DEMO_TOML", "add_arguments", "run"]
@@ -72,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="low (default): one kill -9 and one joiner")
     parser.add_argument("--iterations", type=int, metavar="K", help="shorthand for --set train.iterations=K")
     parser.add_argument("--timeout-s", type=float, default=900.0, metavar="S", help="give up after S seconds")
+    add_device_argument(parser)
     add_secret_argument(parser)
     add_config_arguments(parser)
 
@@ -80,13 +88,14 @@ def run(args: argparse.Namespace) -> int:
     from gwtf.commands.swarm import LOOPBACK, refuse_non_empty, run_swarm
     from gwtf.runtime.swarm import SwarmOptions
 
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + device_overrides(args)
     if args.iterations is not None:
         overrides.append(f"train.iterations={args.iterations}")
     # the config is checked before the output folder is touched
     cfg: Config = (load_config(args.config, overrides) if args.config else
                    from_dict(Config, merge_overrides(tomllib.loads(DEMO_TOML), overrides)))
     cfg = apply_secret_file(cfg, args.secret_file, LOOPBACK)
+    check_device(cfg, args)
     out = Path(args.out)
     resume = bool(getattr(args, "resume", False))
     if not resume and args.out == DEFAULT_OUT and (out / "demo.toml").is_file():

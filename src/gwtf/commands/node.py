@@ -14,7 +14,14 @@ import re
 import secrets
 from pathlib import Path
 
-from gwtf.cli import add_config_arguments, add_secret_argument, apply_secret_file
+from gwtf.cli import (
+    add_config_arguments,
+    add_device_argument,
+    add_secret_argument,
+    apply_secret_file,
+    check_device,
+    device_overrides,
+)
 from gwtf.config import Config, load_config
 from gwtf.errors import UserError
 
@@ -31,7 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", default="auto", help="'auto' (joiners: the bottleneck stage) or a stage number")
     parser.add_argument("--region", default="local", help="region name (WAN emulation looks it up)")
     parser.add_argument("--shard", type=int, metavar="K", help="data holders: data shard 0..D-1 (default: from --name)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--name", help="short node name (default: random); the node id adds region and address")
     parser.add_argument("--wan", metavar="NETWORK", help="shorthand for --set runtime.wan=NETWORK (e.g. geo10)")
     parser.add_argument("--out", metavar="DIR", default="runs/swarm", help="output folder (DIR/nodes/<name>/)")
@@ -41,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-file", metavar="PATH",
                         help="the node's static key (created, mode 0600, if missing; default: "
                              "DIR/nodes/<name>/node.key); its fingerprint is part of the node id")
+    add_device_argument(parser)
     add_secret_argument(parser)
     add_config_arguments(parser)
 
@@ -69,7 +76,7 @@ def _stage(text: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides) + ([f'runtime.wan="{args.wan}"'] if args.wan else [])
+    overrides = list(args.overrides) + ([f'runtime.wan="{args.wan}"'] if args.wan else []) + device_overrides(args)
     cfg: Config = load_config(args.config, overrides)
     from gwtf.runtime.chaos import runtime_fault
 
@@ -97,11 +104,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--region {args.region!r} is not in network {cfg.runtime.wan} ({', '.join(net.regions)})")
     _check_out(Path(args.out), name, args.join is None, args.resume, cfg)
     key_file = _check_key(args.key_file, Path(args.out), name)
+    device = check_device(cfg, args)
     from gwtf.runtime.node import NodeIdentity, run_node  # torch only once we really run
 
     ident = NodeIdentity(
         name=name, role=args.role, stage=stage, region=args.region, shard=shard, listen=args.listen,
-        join=args.join, device=args.device, out_dir=Path(args.out), resume=args.resume, key_file=key_file,
+        join=args.join, device=device, out_dir=Path(args.out), resume=args.resume, key_file=key_file,
     )
     return run_node(cfg, ident)
 

@@ -1,7 +1,8 @@
 """`gwtf swarm`: a local swarm of node processes on loopback, with churn and a live table.
 
 Owns the command's flags (output folder, replicas per relay stage, churn level, WAN emulation,
-iterations, overall timeout, swarm secret file, per-node slowdowns and `--fault NODE=SPEC` chaos faults:
+iterations, overall timeout, device (= train.device, passed to each node), swarm secret file, per-node
+slowdowns and `--fault NODE=SPEC` chaos faults:
 checked before any node starts, passed to each)
 and the display loop: a live rich table on a terminal, one progress line every few seconds
 otherwise (and a line whenever a stage is left without an active node: "stalled: stage K has no
@@ -24,7 +25,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from gwtf.cli import add_config_arguments, add_secret_argument, apply_secret_file
+from gwtf.cli import (
+    add_config_arguments,
+    add_device_argument,
+    add_secret_argument,
+    apply_secret_file,
+    check_device,
+    device_overrides,
+)
 from gwtf.config import Config, load_config, write_resolved
 from gwtf.errors import UserError
 
@@ -53,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "repeatable), e.g. r1a=crash:compute=backward:from=2 (docs/faults.md)")
     parser.add_argument("--timeout-s", type=float, default=0.0, metavar="S",
                         help="give up after S seconds (default: 120 + 30 per iteration)")
+    add_device_argument(parser)
     add_secret_argument(parser)
     add_config_arguments(parser)
 
@@ -60,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> tuple[Config, object]:
     from gwtf.runtime.swarm import SwarmOptions
 
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + device_overrides(args)
     for flag, key in (("iterations", "train.iterations"), ("data_holders", "train.data_holders"),
                       ("stages", "model.stages")):
         value = getattr(args, flag, None)
@@ -75,6 +84,7 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
     cfg: Config = apply_secret_file(load_config(args.config, overrides), args.secret_file, LOOPBACK)
     if args.replicas < 1:
         raise UserError("--replicas must be >= 1")
+    check_device(cfg, args)  # every node of a local swarm shares this machine's devices
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
     opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
                         regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume)

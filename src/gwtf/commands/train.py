@@ -1,7 +1,7 @@
 """`gwtf train --local`: the single-process reference trainer, with a progress display.
 
 Owns: the command's flags (process identity and paths only: --local, --out, --iterations,
---time-limit-s, --resume, plus --config/--set) and the progress bar / plain progress lines.
+--time-limit-s, --resume, --device, plus --config/--set) and the progress bar / plain progress lines.
 The training itself is `gwtf.model.trainer.train_local`.
 """
 
@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from gwtf.cli import add_config_arguments
+from gwtf.cli import add_config_arguments, add_device_argument, check_device, device_overrides
 from gwtf.config import Config, load_config
 from gwtf.errors import UserError
 
@@ -28,11 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-limit-s", type=float, metavar="S", help="stop (and checkpoint) after S seconds of wall time"
     )
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint")
+    add_device_argument(parser)
     add_config_arguments(parser)
 
 
 def _resolve(args: argparse.Namespace) -> Config:
-    cfg: Config = load_config(args.config, args.overrides)
+    cfg: Config = load_config(args.config, list(args.overrides) + device_overrides(args))
     train = cfg.train
     if args.iterations is not None:
         train = dataclasses.replace(train, iterations=args.iterations)
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.local:
         raise UserError("gwtf train needs --local (one process); for a multi-node run use `gwtf swarm`")
     cfg = _resolve(args)
+    check_device(cfg, args)
     from gwtf.model.trainer import train_local  # torch import only once we know we train
 
     total = cfg.train.iterations

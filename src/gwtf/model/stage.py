@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from gwtf.model.device import compute_autocast
 from gwtf.model.partition import partition_layers
 from gwtf.model.presets import ModelSpec
 from gwtf.model.transformer import Block, Embedding, Head, Transformer, init_weights, lm_loss, run_blocks
@@ -133,7 +134,8 @@ def assemble_model(stage_modules: Sequence[nn.Module]) -> Transformer:
 
 
 def stage_forward_backward_reference(
-    stage_modules: Sequence[nn.Module], tokens: Tensor, targets: Tensor, loss_scale: float = 1.0
+    stage_modules: Sequence[nn.Module], tokens: Tensor, targets: Tensor, loss_scale: float = 1.0,
+    precision: str = "fp32",
 ) -> Tensor:
     """One microbatch through all stages as the distributed runtime does it, in one process.
 
@@ -141,6 +143,8 @@ def stage_forward_backward_reference(
     the wire); the loss is computed at stage 0's head and scaled by `loss_scale` (e.g. 1/M for
     M accumulated microbatches); then each stage runs `out.backward(grad)` with the gradient
     received from the stage after it. Parameter gradients accumulate into `.grad`.
+    `precision` (`train.precision`): the forward passes run in `gwtf.model.device.compute_autocast`
+    ("bf16-autocast": bfloat16 compute, float32 parameters and gradients); backward runs outside it.
 
     Returns:
         The unscaled loss, detached.
@@ -148,13 +152,16 @@ def stage_forward_backward_reference(
     first = stage_modules[0]
     assert isinstance(first, FirstStage)
     inputs: list[Tensor] = []
-    outputs: list[Tensor] = [first.embed(tokens)]
+    with compute_autocast(tokens.device, precision):
+        outputs: list[Tensor] = [first.embed(tokens)]
     for relay in stage_modules[1:]:
         received = outputs[-1].detach().requires_grad_(True)
         inputs.append(received)
-        outputs.append(relay(received))
+        with compute_autocast(tokens.device, precision):
+            outputs.append(relay(received))
     final = outputs[-1].detach().requires_grad_(True)
-    loss = first.head_loss(final, targets)
+    with compute_autocast(tokens.device, precision):
+        loss = first.head_loss(final, targets)
     (loss * loss_scale).backward()
     grad = final.grad
     for out, inp in zip(reversed(outputs[1:]), reversed(inputs), strict=True):

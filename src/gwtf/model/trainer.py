@@ -32,6 +32,7 @@ from gwtf.config import Config, TrainConfig, to_dict, write_resolved
 from gwtf.errors import UserError
 from gwtf.model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gwtf.model.data import TokenDataset, load_dataset
+from gwtf.model.device import compute_autocast, peak_memory_bytes, resolve_device
 from gwtf.model.presets import model_spec
 from gwtf.model.stage import FirstStage, build_stage, stage_forward_backward_reference
 
@@ -169,7 +170,9 @@ class StageOptimizer:
         """Inverse of `state_tensors` (missing entries = a parameter that never stepped)."""
         for name, p in zip(self.names, self.params, strict=True):
             prefix = f"opt.{name}."
-            state = {k[len(prefix):]: v.clone() for k, v in tensors.items() if k.startswith(prefix)}
+            # on the parameter's device; AdamW's step counter stays on the CPU, where it keeps its own
+            state = {k[len(prefix):]: v.to("cpu" if k.endswith(".step") else p.device, copy=True)
+                     for k, v in tensors.items() if k.startswith(prefix)}
             if state:
                 self.optimizer.state[p] = state
 
@@ -194,10 +197,13 @@ def train_iteration(
     losses: list[float] = []
     tokens = 0
     stage0_grads: list[list[Tensor]] = []
+    device = _device_of(stages[0])
     for d in range(d_count):
         for m in range(m_count):
             x, y = dataset.microbatch(d, iteration, m)
-            loss = stage_forward_backward_reference(stages, x, y, loss_scale=1.0 / planned)
+            x, y = x.to(device), y.to(device)
+            loss = stage_forward_backward_reference(stages, x, y, loss_scale=1.0 / planned,
+                                                    precision=cfg.precision)
             losses.append(float(loss))
             tokens += x.numel()
         stage0_grads.append([g.clone() for g in optimizers[0].current_grads()])
@@ -211,9 +217,16 @@ def train_iteration(
     )
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
 @torch.no_grad()
-def evaluate(stages: Sequence[nn.Module], batches: Sequence[tuple[Tensor, Tensor]]) -> float | None:
-    """Mean loss over fixed validation microbatches (None when there are none)."""
+def evaluate(
+    stages: Sequence[nn.Module], batches: Sequence[tuple[Tensor, Tensor]], precision: str = "fp32"
+) -> float | None:
+    """Mean loss over fixed validation microbatches (None when there are none), computed in
+    `precision` (`train.precision`) on the stages' device."""
     if not batches:
         return None
     first = stages[0]
@@ -222,11 +235,13 @@ def evaluate(stages: Sequence[nn.Module], batches: Sequence[tuple[Tensor, Tensor
     for s in stages:
         s.eval()
     total = 0.0
+    device = _device_of(first)
     for x, y in batches:
-        h = first.embed(x)
-        for relay in stages[1:]:
-            h = relay(h)
-        total += float(first.head_loss(h, y))
+        with compute_autocast(device, precision):
+            h = first.embed(x.to(device))
+            for relay in stages[1:]:
+                h = relay(h)
+            total += float(first.head_loss(h, y.to(device)))
     for s, mode in zip(stages, was_training, strict=True):
         s.train(mode)
     return total / len(batches)
@@ -240,7 +255,7 @@ def evaluate(stages: Sequence[nn.Module], batches: Sequence[tuple[Tensor, Tensor
 # iterations already run, or only extend the schedule).
 _RESUMABLE_KEYS = {
     "train.iterations", "train.time_limit_s", "train.checkpoint_every", "train.torch_threads",
-    "train.eval_every", "data.cache_dir",
+    "train.eval_every", "data.cache_dir", "train.device",
 }
 OnIteration = Callable[[dict[str, Any]], None]
 
@@ -286,8 +301,9 @@ def _save(
     out_dir: Path, completed: int, stages: Sequence[nn.Module], optimizers: Sequence[StageOptimizer],
     cfg: Config, elapsed_s: float, metrics: list[dict[str, Any]],
 ) -> None:
-    tensors = [
-        {**{f"param.{k}": v for k, v in s.state_dict().items()}, **o.state_tensors()}
+    tensors = [  # .cpu() is the tensor itself on the CPU (no copy)
+        {**{f"param.{k}": v.cpu() for k, v in s.state_dict().items()},
+         **{k: v.cpu() for k, v in o.state_tensors().items()}}
         for s, o in zip(stages, optimizers, strict=True)
     ]
     meta = {"config": to_dict(cfg), "elapsed_s": elapsed_s}
@@ -323,7 +339,8 @@ def _restore(
 
 
 def _metrics_row(
-    t: int, stats: IterationStats, previous: list[dict[str, Any]], time_s: float, iteration_s: float
+    t: int, stats: IterationStats, previous: list[dict[str, Any]], time_s: float, iteration_s: float,
+    device: str,
 ) -> dict[str, Any]:
     return {
         "iteration": t, "loss": stats.loss, "tokens": stats.tokens,
@@ -331,6 +348,7 @@ def _metrics_row(
         "time_s": round(time_s, 4), "lr": stats.lr,
         "tokens_per_s": round(stats.tokens / max(iteration_s, 1e-9), 1),
         "grad_norms": [round(n, 6) for n in stats.grad_norms],
+        "peak_memory_bytes": peak_memory_bytes(device),
     }
 
 
@@ -345,6 +363,8 @@ def train_local(
     continued run equal those of an uninterrupted one (wall-clock fields aside).
     `stop_after` ends this invocation after that many completed iterations (tests, debugging);
     train.time_limit_s ends it after that much wall time. Both checkpoint before returning.
+    The stages live on `train.device` (resolved: UserError for cuda without CUDA) and compute in
+    `train.precision`; weights and optimizer state are float32 either way.
     """
     tc = cfg.train
     out = Path(out_dir)
@@ -352,11 +372,12 @@ def train_local(
     if tc.torch_threads > 0:
         torch.set_num_threads(tc.torch_threads)
     torch.manual_seed(tc.seed)  # only dropout draws from it; init is seeded per stage
+    device = resolve_device(tc.device, flag="train.device =")  # the commands check --device first
     ckpt = _open_checkpoint(out, cfg) if resume else None
     kwargs = {"say": say} if say is not None else {}
     dataset = load_dataset(cfg.data, cfg.model, tc.seed, tc.data_holders, **kwargs)
     spec = model_spec(cfg.model, dataset.vocab_size)
-    stages = [build_stage(spec, k, cfg.model.stages, tc.seed) for k in range(cfg.model.stages)]
+    stages = [build_stage(spec, k, cfg.model.stages, tc.seed, device=device) for k in range(cfg.model.stages)]
     optimizers = [StageOptimizer(s, tc) for s in stages]
     start, elapsed0 = _restore(ckpt, out / "checkpoint", stages, optimizers) if ckpt else (0, 0.0)
     write_resolved(cfg, out)
@@ -373,15 +394,15 @@ def train_local(
             dt = time.monotonic() - t_it
             completed = t + 1
             last = completed == tc.iterations
-            row = _metrics_row(t, stats, metrics, elapsed0 + time.monotonic() - t0, dt)
+            row = _metrics_row(t, stats, metrics, elapsed0 + time.monotonic() - t0, dt, device)
             stopped = not last and (
                 (stop_after is not None and completed >= stop_after)
                 or (tc.time_limit_s > 0 and time.monotonic() - t0 >= tc.time_limit_s)
             )
             if last or (tc.eval_every and completed % tc.eval_every == 0):
-                row["val_loss"] = evaluate(stages, val_batches)
+                row["val_loss"] = evaluate(stages, val_batches, tc.precision)
             elif stopped:  # a stopped run reports where it got to; resumed runs re-evaluate on cadence
-                row["val_loss_at_stop"] = evaluate(stages, val_batches)
+                row["val_loss_at_stop"] = evaluate(stages, val_batches, tc.precision)
             metrics.append(row)
             sink.write(json.dumps(row) + "\n")
             sink.flush()

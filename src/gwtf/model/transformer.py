@@ -202,8 +202,12 @@ def _init_one(p: Tensor, owner: nn.Module, global_name: str, spec: ModelSpec, se
         std = INIT_STD
         if any(global_name.endswith(r + ".weight") for r in RESIDUAL_PROJECTIONS):
             std = INIT_STD / math.sqrt(2 * spec.n_layer)
-        gen = torch.Generator(device=p.device).manual_seed(param_seed(seed, global_name))
-        p.normal_(0.0, std, generator=gen)
+        # drawn on the CPU so a seed gives the same weights on any device (CPU: in place, as before)
+        gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, global_name))
+        if p.device.type == "cpu":
+            p.normal_(0.0, std, generator=gen)
+        else:
+            p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std, generator=gen))
 
 
 @torch.no_grad()

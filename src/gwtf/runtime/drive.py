@@ -58,6 +58,7 @@ import torch
 
 from gwtf.config import Config
 from gwtf.model.data import TokenDataset, load_dataset
+from gwtf.model.device import resolve_device
 from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.protocol.base import Message, NodeId
@@ -422,7 +423,7 @@ class Host:
         if version % self.cfg.protocol.checkpoint_every == 0:
             self._save_checkpoint(w, version)
         return {"iteration": iteration, "stage": w.stage, "hash": h, "version": version,
-                "microbatches": self.grad_counts.get(key, 0)}
+                "microbatches": self.grad_counts.get(key, 0), "peak_memory_bytes": w.peak_memory_bytes()}
 
     def _save_checkpoint(self, w: StageWorker, version: int) -> None:
         """Hashed and fsynced (`runtime.checkpoints`); the previous complete version is kept.
@@ -475,14 +476,6 @@ def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
                             iterations=cfg.train.iterations)
 
 
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: CUDA is not available on this machine")
-    return device
 
 
 def vocab_size_of(cfg: Config) -> int:

@@ -17,6 +17,10 @@ gradients and the aggregated gradient of a stage is their sum rescaled to the mi
 contributed (`reduce`, the reference trainer's `aggregate_stage_grads` rule; one replica reduces
 and sends the result to the others, so every replica steps with identical bits).
 
+Precision (`train.precision`, `gwtf.model.device`): forward passes may run in bfloat16 autocast;
+weights, gradients and AdamW state stay float32, and every tensor leaves for the wire as float32
+(`tensor_to_numpy`), so the wire format does not depend on the compute precision or device.
+
 Must not import asyncio or socket.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,7 @@ from torch import Tensor, nn
 
 from gwtf.config import Config
 from gwtf.model.data import TokenDataset
+from gwtf.model.device import compute_autocast, peak_memory_bytes
 from gwtf.model.presets import ModelSpec
 from gwtf.model.stage import FirstStage, build_stage
 from gwtf.model.trainer import StageOptimizer
@@ -113,7 +119,8 @@ class StageWorker:
         assert self.dataset is not None and self.shard is not None, "embed needs a data holder's dataset"
         tokens, targets = self.dataset.microbatch(self.shard, iteration, index)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        out = first.embed(tokens)
+        with self._autocast():
+            out = first.embed(tokens)
         self._saved[mb] = _Saved(leaf=None, output=out, targets=targets, iteration=iteration)
         self.store[out_key] = out.detach()
         return int(tokens.numel())
@@ -121,7 +128,8 @@ class StageWorker:
     def forward(self, mb: Hashable, in_key: TensorKey, out_key: TensorKey) -> None:
         """Relay: activation `in_key` -> this stage's blocks -> activation `out_key`."""
         leaf = self.store[in_key].detach().requires_grad_(True)
-        out = self.module(leaf)
+        with self._autocast():
+            out = self.module(leaf)
         it = out_key[2] if isinstance(out_key, tuple) and len(out_key) > 2 and isinstance(out_key[2], int) else -1
         self._saved[mb] = _Saved(leaf=leaf, output=out, iteration=it)
         self.store[out_key] = out.detach()
@@ -135,7 +143,8 @@ class StageWorker:
         saved = self._saved[mb]
         assert saved.targets is not None, f"loss of {mb!r} without its embedding"
         final = self.store[in_key].detach().requires_grad_(True)
-        loss = first.head_loss(final, saved.targets)
+        with self._autocast():
+            loss = first.head_loss(final, saved.targets)
         (loss * (1.0 / self.planned)).backward()
         assert final.grad is not None
         self.store[grad_key] = final.grad
@@ -246,6 +255,14 @@ class StageWorker:
             h.update(name.encode())
             h.update(tensor_to_numpy(p).tobytes())
         return h.hexdigest()[:16]
+
+    def _autocast(self) -> AbstractContextManager[None]:
+        """The forward passes' precision (`train.precision`); backward runs outside it."""
+        return compute_autocast(self.device, self.cfg.train.precision)
+
+    def peak_memory_bytes(self) -> int:
+        """This process's peak memory so far (CUDA: allocated on the device; else resident set)."""
+        return peak_memory_bytes(self.device)
 
     def _first(self) -> FirstStage:
         assert isinstance(self.module, FirstStage), "only stage 0 (data holders) embeds and computes loss"
