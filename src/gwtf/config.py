@@ -89,6 +89,10 @@ class TrainConfig:
     # float32 master weights and optimizer state (on the CPU it works but is slow); the wire
     # always carries float32
     precision: Literal["fp32", "bf16-autocast"] = "fp32"
+    # `gwtf train --local` only: round every activation and activation gradient at a stage
+    # boundary as the [wire] formats do (gwtf.model.wire.roundtrip), so the local trainer takes
+    # the steps of a swarm with those wire formats; false = exact fp32 boundaries
+    local_rounding: bool = False
 
     def __post_init__(self) -> None:
         _require(self.data_holders >= 1, "train.data_holders", "must be >= 1")
@@ -99,6 +103,27 @@ class TrainConfig:
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0")
         _require(self.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0")
+
+
+WireFormatName = Literal["fp32", "bf16", "fp16", "int8"]  # gwtf.model.wire.FORMATS
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WireConfig:
+    """How activations and activation gradients travel between stages (docs/wire-formats.md).
+
+    Compute stays float32 whatever the format; the simulator's message sizes follow the same
+    keys (`gwtf.model.wire.wire_bytes`). Every node of a swarm must use the same [wire] section.
+    """
+
+    # forward activations: "fp32" (4 bytes/value, as computed), "bf16" / "fp16" (2 bytes/value),
+    # "int8" (blockwise absmax: 1 byte/value + one float32 scale per block_values values)
+    activations: WireFormatName = "fp32"
+    gradients: WireFormatName = "fp32"  # activation gradients sent backward; same choices
+    block_values: int = 4096  # int8 only: values per quantisation block (one float32 scale each)
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.block_values <= 2**24, "wire.block_values", "must be in [1, 16777216]")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -235,6 +260,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from gwtf.model import wire
 from gwtf.model.device import compute_autocast
 from gwtf.model.partition import partition_layers
 from gwtf.model.presets import ModelSpec
@@ -133,9 +134,19 @@ def assemble_model(stage_modules: Sequence[nn.Module]) -> Transformer:
     return copy.deepcopy(model)
 
 
+def round_on_wire(t: Tensor, fmt: str, block_values: int = 4096) -> Tensor:
+    """`t` as a receiver gets it when sent in wire format `fmt` (`gwtf.model.wire.roundtrip`:
+    the very function the runtime's encode/decode pair amounts to), in `t`'s dtype and device."""
+    if fmt == "fp32":
+        return t
+    arr = wire.roundtrip(t.detach().float().cpu().contiguous().numpy(), fmt, block_values)
+    return torch.from_numpy(arr).to(t.device, t.dtype)
+
+
 def stage_forward_backward_reference(
     stage_modules: Sequence[nn.Module], tokens: Tensor, targets: Tensor, loss_scale: float = 1.0,
     precision: str = "fp32",
+    wire_formats: tuple[str, str, int] | None = None,
 ) -> Tensor:
     """One microbatch through all stages as the distributed runtime does it, in one process.
 
@@ -145,27 +156,32 @@ def stage_forward_backward_reference(
     received from the stage after it. Parameter gradients accumulate into `.grad`.
     `precision` (`train.precision`): the forward passes run in `gwtf.model.device.compute_autocast`
     ("bf16-autocast": bfloat16 compute, float32 parameters and gradients); backward runs outside it.
+    `wire_formats` = (activations, gradients, block_values) rounds every boundary tensor as that
+    wire format does (`round_on_wire`); None: exact.
 
     Returns:
         The unscaled loss, detached.
     """
     first = stage_modules[0]
     assert isinstance(first, FirstStage)
+    act_fmt, grad_fmt, block = wire_formats if wire_formats is not None else ("fp32", "fp32", 1)
     inputs: list[Tensor] = []
     with compute_autocast(tokens.device, precision):
         outputs: list[Tensor] = [first.embed(tokens)]
     for relay in stage_modules[1:]:
-        received = outputs[-1].detach().requires_grad_(True)
+        received = round_on_wire(outputs[-1].detach(), act_fmt, block).requires_grad_(True)
         inputs.append(received)
         with compute_autocast(tokens.device, precision):
             outputs.append(relay(received))
-    final = outputs[-1].detach().requires_grad_(True)
+    final = round_on_wire(outputs[-1].detach(), act_fmt, block).requires_grad_(True)
     with compute_autocast(tokens.device, precision):
         loss = first.head_loss(final, targets)
     (loss * loss_scale).backward()
-    grad = final.grad
+    assert final.grad is not None
+    grad = round_on_wire(final.grad, grad_fmt, block)
     for out, inp in zip(reversed(outputs[1:]), reversed(inputs), strict=True):
         out.backward(grad)
-        grad = inp.grad
+        assert inp.grad is not None
+        grad = round_on_wire(inp.grad, grad_fmt, block)
     outputs[0].backward(grad)
     return loss.detach()

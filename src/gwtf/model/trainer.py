@@ -12,6 +12,8 @@ Iteration t (DESIGN.md section 3): for each data holder d, for each microbatch m
 boundary (`stage_forward_backward_reference`), loss scaled by 1/(D*M); data holders are the
 stage-0 replicas, so stage-0 gradients are accumulated per data holder and aggregated with
 `aggregate_stage_grads`; every stage then clips its own gradient norm and takes one AdamW step.
+With `train.local_rounding` every boundary tensor is rounded as the [wire] formats do, so a
+swarm with compressed activations/gradients has a local reference too.
 Must not import asyncio, socket or threading.
 """
 
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gwtf.config import Config, TrainConfig, to_dict, write_resolved
+from gwtf.config import Config, TrainConfig, WireConfig, to_dict, write_resolved
 from gwtf.errors import UserError
 from gwtf.model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gwtf.model.data import TokenDataset, load_dataset
@@ -189,9 +191,11 @@ class IterationStats:
 
 def train_iteration(
     stages: Sequence[nn.Module], optimizers: Sequence[StageOptimizer], dataset: TokenDataset,
-    iteration: int, cfg: TrainConfig,
+    iteration: int, cfg: TrainConfig, wire: WireConfig | None = None,
 ) -> IterationStats:
-    """One synchronous iteration (DESIGN.md section 3) in one process."""
+    """One synchronous iteration (DESIGN.md section 3) in one process; `wire`: round the stage
+    boundaries as those wire formats do (`train.local_rounding`), None: exact."""
+    formats = None if wire is None else (wire.activations, wire.gradients, wire.block_values)
     d_count, m_count = cfg.data_holders, cfg.microbatches
     planned = d_count * m_count
     losses: list[float] = []
@@ -203,7 +207,7 @@ def train_iteration(
             x, y = dataset.microbatch(d, iteration, m)
             x, y = x.to(device), y.to(device)
             loss = stage_forward_backward_reference(stages, x, y, loss_scale=1.0 / planned,
-                                                    precision=cfg.precision)
+                                                    precision=cfg.precision, wire_formats=formats)
             losses.append(float(loss))
             tokens += x.numel()
         stage0_grads.append([g.clone() for g in optimizers[0].current_grads()])
@@ -390,7 +394,7 @@ def train_local(
     with metrics_path.open("a", encoding="utf-8") as sink:
         for t in range(start, tc.iterations):
             t_it = time.monotonic()
-            stats = train_iteration(stages, optimizers, dataset, t, tc)
+            stats = train_iteration(stages, optimizers, dataset, t, tc, cfg.wire if tc.local_rounding else None)
             dt = time.monotonic() - t_it
             completed = t + 1
             last = completed == tc.iterations

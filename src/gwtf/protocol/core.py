@@ -62,8 +62,8 @@ def make_router(name: str, me: PeerInfo, train: TrainParams, rng: random.Random,
     if name == "flow":
         from gwtf.protocol.flow import FlowAgent
 
-        return FlowAgent(me, train.stages, train.activation_bytes, flow_cfg or FlowConfig(), rng)
-    return GreedyRouter(me, train.stages, train.activation_bytes)
+        return FlowAgent(me, train.stages, train.route_bytes, flow_cfg or FlowConfig(), rng)
+    return GreedyRouter(me, train.stages, train.route_bytes)
 
 
 class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
@@ -85,7 +85,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             assert router_factory is not None
             # A joiner has no stage yet (-1): it routes nothing until `on_welcome` gives it one
             # and builds its real router; the greedy router is a harmless placeholder meanwhile.
-            router = router_factory(me) if me.stage >= 0 else GreedyRouter(me, train.stages, train.activation_bytes)
+            router = router_factory(me) if me.stage >= 0 else GreedyRouter(me, train.stages, train.route_bytes)
         CoreState.__init__(self, me, cfg, train, rng, router, policy or Policy())
         self.link_prior = link_prior
         self.router_factory = router_factory

@@ -46,6 +46,17 @@ class TrainParams:
     stage_state_bytes: tuple[int, ...]  # weights + optimizer state per stage (join transfer)
     stage_grad_bytes: tuple[int, ...]  # gradient bytes per stage (aggregation exchange)
     tokens_per_microbatch: int = 0
+    activation_grad_bytes: int = -1  # one activation gradient on the wire (Backward); -1 = activation_bytes
+
+    def __post_init__(self) -> None:
+        if self.activation_grad_bytes < 0:
+            object.__setattr__(self, "activation_grad_bytes", self.activation_bytes)
+
+    @property
+    def route_bytes(self) -> int:
+        """The `size` of the flow cost model (2 * size / bw prices a microbatch's activation in
+        and gradient out over one edge): the mean of the two, = activation_bytes when equal."""
+        return (self.activation_bytes + self.activation_grad_bytes) // 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -72,7 +72,7 @@ class RebalanceMixin(CoreState):
     def transfer_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
         """Per peer: network seconds of one microbatch (activation in, gradient out), averaged
         over the links from every other member (priors where known, else our measured link)."""
-        size = self.train.activation_bytes
+        size = self.train.route_bytes
         return self.mean_over_links(
             members, lambda lk: 2.0 * (lk.latency_s + size / max(lk.bandwidth_bytes_per_s, 1.0)))
 

@@ -275,7 +275,7 @@ class SwarmCore(RebalanceMixin, NodeCore):
 def swarm_router(me: PeerInfo, train: TrainParams, cfg: ProtocolConfig) -> SwarmRouter:
     """The router a SWARM node runs (seeded from the node's own description: deterministic)."""
     rng = random.Random(f"swarm:{me.id}:{me.region}:{me.compute_s!r}")
-    return SwarmRouter(me, train.stages, train.activation_bytes, cfg.swarm_ban_s, rng)
+    return SwarmRouter(me, train.stages, train.route_bytes, cfg.swarm_ban_s, rng)
 
 
 def describe(members: Mapping[NodeId, PeerInfo], stages: int) -> str:

@@ -98,7 +98,7 @@ def build_core(system: System, me: PeerInfo, protocol: ProtocolConfig, flow: Flo
 
     def factory(info: PeerInfo) -> Router:
         if info.stage < 0:
-            return GreedyRouter(info, train.stages, train.activation_bytes)
+            return GreedyRouter(info, train.stages, train.route_bytes)
         return system.router(info, train, protocol, flow)
 
     return system.core(me, protocol, train, rng, None, system.policy, link_prior, factory)
@@ -117,12 +117,15 @@ class ModelShape(Protocol):
 
 
 def iteration_params(shape: ModelShape, *, stages: int, microbatch_size: int, seq_len: int,
-                     microbatches: int, iterations: int) -> TrainParams:
-    """The core's view of an iteration: float32 activations, gradients and state on the wire;
-    `microbatches` per data holder per iteration."""
+                     microbatches: int, iterations: int, wire_bytes: tuple[int, int] | None = None) -> TrainParams:
+    """The core's view of an iteration: `microbatches` per data holder per iteration; weights,
+    state and parameter gradients float32; activations and activation gradients `wire_bytes`
+    = (activation, gradient) bytes on the wire (`gwtf.model.wire.boundary_bytes` of the [wire]
+    section; None = float32)."""
+    act, grad = wire_bytes if wire_bytes is not None else (shape.activation_bytes(microbatch_size),) * 2
     return TrainParams(
         stages=stages, microbatches=microbatches, iterations=iterations,
-        activation_bytes=shape.activation_bytes(microbatch_size),
+        activation_bytes=act, activation_grad_bytes=grad,
         stage_flops=tuple(shape.stage_flops_per_microbatch(k, stages, microbatch_size) for k in range(stages)),
         stage_state_bytes=tuple(shape.stage_state_bytes(k, stages) for k in range(stages)),
         stage_grad_bytes=tuple(4 * shape.stage_param_count(k, stages) for k in range(stages)),

@@ -343,14 +343,14 @@ class TrainingMixin(CoreState):
             leg.phase = "gradwait"
             req = GradRequest(mb=leg.mb, path=leg.path + (self.me.id,), legs=leg.legs + (n,))
             return [self.send(leg.sender, Passed(mb=leg.mb, leg=leg.legs[-1])), self.send(leg.holder, req),
-                    self.timer(("gget", n), self.ack_deadline_s(leg.holder, self.train.activation_bytes), now)]
+                    self.timer(("gget", n), self.ack_deadline_s(leg.holder, self.train.activation_grad_bytes), now)]
         return self._resend(leg, now)
 
     # ---- backward sending and the redo walk -------------------------------------------
 
     def _send_grad(self, mb: MbId, path: tuple[NodeId, ...], legs: tuple[int, ...], pos: int,
                    key: TensorKey, now: float) -> list[Effect]:
-        size = self.train.activation_bytes
+        size = self.train.activation_grad_bytes
         to = path[pos - 1]
         expect = self.reserve_uplink(to, size, now)
         self.gouts[mb] = GradOut(mb=mb, path=path, legs=legs, pos=pos, key=key, sent_at=now,
@@ -373,7 +373,7 @@ class TrainingMixin(CoreState):
         rtt = now - g.sent_at
         self.observe_ack(sender, rtt, g.sent_expect_s)
         return [self.cancel(("ackb", msg.mb))] + self.observe_transfer(
-            sender, self.train.activation_bytes, g.sent_at, now)
+            sender, self.train.activation_grad_bytes, g.sent_at, now)
 
     def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
         """The node we sent a gradient to is gone: ask the nearest live upstream node to redo."""

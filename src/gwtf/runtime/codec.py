@@ -67,6 +67,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "int64": np.dtype("<i8"),
     "int32": np.dtype("<i4"),
     "uint8": np.dtype("u1"),
+    "int8": np.dtype("i1"),  # int8 codes of the blockwise 8-bit wire format (gwtf.model.wire)
 }
 _FLOAT_NAMES = ("float32", "float16", "float64")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from gwtf.config import Config
+from gwtf.model import wire
 from gwtf.model.data import TokenDataset, load_dataset
 from gwtf.model.device import resolve_device
 from gwtf.model.presets import ModelSpec, model_spec
@@ -125,8 +126,8 @@ class Host:
         self.grad_counts: dict[Hashable, int] = {}
         self.ckpt_dir = checkpoint_dir(cfg, ident)
         self._lock = threading.Lock()  # guards _wire and _inbox (loop and torch thread)
-        self._wire: dict[Hashable, np.ndarray] = {}  # key -> what a send attaches (numpy)
-        self._inbox: dict[Hashable, np.ndarray] = {}  # received, not yet in the worker's store
+        self._wire: dict[Hashable, list[np.ndarray]] = {}  # key -> the arrays a send attaches (numpy)
+        self._inbox: dict[Hashable, list[np.ndarray]] = {}  # received, not yet in the worker's store
         self._arrivals = 0  # received tensors so far (a FreeIteration frees only those before it)
         self._arrived: dict[Hashable, int] = {}  # received key -> its arrival number
         self._last_blob: tuple[int, int, np.ndarray] | None = None  # torch thread: the newest checkpoint written
@@ -193,29 +194,36 @@ class Host:
     # -- tensors ------------------------------------------------------------------------------
 
     def tensors_for(self, msg: Message) -> list[np.ndarray]:
-        """Event loop: the array a message's key names (received, or a finished job's output)."""
+        """Event loop: the arrays a message's key names (received, or a finished job's output):
+        one array, or for an int8-format activation/gradient its codes and scales."""
         key = getattr(msg, "key", None)
         if not key:
             return []
         with self._lock:
-            arr = self._wire.get(key)
-        return [] if arr is None else [arr]
+            arrays = self._wire.get(key)
+        return [] if arrays is None else list(arrays)
 
     def store_tensors(self, msg: Message, tensors: list[np.ndarray]) -> None:
-        """Event loop: keep a received array under the message's key (no torch here: the next
-        compute moves it into the worker's store on the torch thread)."""
+        """Event loop: keep received arrays under the message's key (no torch here: the next
+        compute moves them into the worker's store on the torch thread). An activation or
+        activation gradient is checked against the wire formats first (`wire_check`: ValueError
+        refuses the message)."""
         key = getattr(msg, "key", None)
         if not tensors:
             return
-        if not key or len(tensors) != 1:
-            raise ValueError(f"{len(tensors)} tensors on a message without a single key")
+        if not key:
+            raise ValueError(f"{len(tensors)} tensors on a message without a key")
         if self.core.me.stage < 0:
             raise ValueError("tensor received before this node has a stage")
+        if _boundary_kind(key) is not None:
+            wire_check(tensors, self.cfg.wire.block_values)
+        elif len(tensors) != 1:
+            raise ValueError(f"{len(tensors)} tensors on a message with a single-tensor key")
         if isinstance(msg, GradShare):
             self.grad_counts[key] = msg.count
         with self._lock:
-            self._wire[key] = tensors[0]  # the same array, not a copy
-            self._inbox[key] = tensors[0]
+            self._wire[key] = list(tensors)  # the same arrays, not copies
+            self._inbox[key] = list(tensors)
             self._arrivals += 1
             self._arrived[key] = self._arrivals
 
@@ -274,18 +282,26 @@ class Host:
         """Torch thread: received arrays -> the worker's store (device tensors)."""
         with self._lock:
             arrived, self._inbox = self._inbox, {}
-        for key, arr in arrived.items():
+        for key, arrays in arrived.items():
             if isinstance(key, tuple) and key and key[0] in ("state", "ckpt"):
-                w.store[key] = torch.from_numpy(arr)  # serialized state stays on the CPU, uncopied, until imported
-            else:
-                w.put(key, arr)
+                w.store[key] = torch.from_numpy(arrays[0])  # serialized state stays on the CPU, uncopied, until imported
+            elif _plain_float(arrays):
+                w.put(key, arrays[0])
+            else:  # a compressed activation/gradient (checked on arrival): float32, then the compute dtype
+                w.put(key, wire.decode(arrays, self.cfg.wire.block_values), cast=True)
 
     def _publish(self, w: StageWorker, keys: Sequence[Hashable]) -> None:
-        """Torch thread: the wire form of a job's outputs, for the sends that follow its completion."""
-        ready = {k: w.to_numpy(k) for k in keys if k in w.store}
+        """Torch thread: the wire form of a job's outputs, for the sends that follow its completion:
+        activations and activation gradients in the [wire] formats (fp32: the array as computed)."""
+        ready = {k: self._wire_form(k, w.to_numpy(k)) for k in keys if k in w.store}
         if ready:
             with self._lock:
                 self._wire.update(ready)
+
+    def _wire_form(self, key: Hashable, arr: np.ndarray) -> list[np.ndarray]:
+        kind = _boundary_kind(key)
+        fmt = "fp32" if kind is None else getattr(self.cfg.wire, kind)
+        return [arr] if fmt == "fp32" else wire.encode(arr, fmt, self.cfg.wire.block_values)
 
     # -- compute (torch thread) ---------------------------------------------------------------
 
@@ -350,7 +366,7 @@ class Host:
             case ComputeKind.EXPORT_STATE:  # one buffer, on the CPU: the transport streams it in chunks
                 blob = statefile.export_state(w)  # only ever sent: its wire form is the buffer itself
                 with self._lock:
-                    self._wire[outs[0]] = blob
+                    self._wire[outs[0]] = [blob]
                 out.records.append((RecordName.STATE_EXPORTED, {"stage": w.stage, "version": outs[0][2],
                                                        "hash": w.weights_hash()}))
             case ComputeKind.IMPORT_STATE:
@@ -400,7 +416,7 @@ class Host:
             blob = np.frombuffer(checkpoints.read_version(self.ckpt_dir, stage, version), dtype=np.uint8)
         self._last_blob = None
         with self._lock:
-            self._wire[key] = blob  # only ever sent: its wire form is the buffer itself
+            self._wire[key] = [blob]  # only ever sent: its wire form is the buffer itself
         exported = eff.kind == ComputeKind.EXPORT_CHECKPOINT
         return (RecordName.CHECKPOINT_EXPORTED if exported else RecordName.CHECKPOINT_SERVED), fields
 
@@ -469,11 +485,34 @@ def _iteration_of(key: Hashable) -> float:
     return float("inf")
 
 
+BOUNDARY_KINDS = {"act": "activations", "grad": "gradients", "lgrad": "gradients"}
+"""Tensor-key kinds that cross a stage boundary -> the [wire] key of their format."""
+
+
+def _boundary_kind(key: Hashable) -> str | None:
+    return BOUNDARY_KINDS.get(key[0]) if isinstance(key, tuple) and key and isinstance(key[0], str) else None
+
+
+def _plain_float(arrays: Sequence[np.ndarray]) -> bool:
+    """One float32/float64 array: the fp32 wire form (the tensor simulator computes in float64)."""
+    return len(arrays) == 1 and arrays[0].dtype in (np.float32, np.float64) and arrays[0].dtype.metadata is None
+
+
+def wire_check(arrays: Sequence[np.ndarray], block_values: int) -> None:
+    """A received activation/gradient: one float array, or a valid encoding in a known wire
+    format (dtype tags, scale count, finite scales: `gwtf.model.wire.check`); ValueError if not."""
+    if not _plain_float(arrays):
+        wire.check(arrays, block_values)
+
+
 def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
     """The core's view of an iteration (`gwtf.protocol.systems.iteration_params`: the simulator's formula)."""
+    w = cfg.wire
+    sizes = wire.boundary_bytes(spec.activation_bytes(cfg.model.microbatch_size, dtype_bytes=1), w.activations,
+                                w.gradients, w.block_values)
     return iteration_params(spec, stages=cfg.model.stages, microbatch_size=cfg.model.microbatch_size,
                             seq_len=cfg.model.seq_len, microbatches=cfg.train.microbatches,
-                            iterations=cfg.train.iterations)
+                            iterations=cfg.train.iterations, wire_bytes=sizes)
 
 
 

@@ -85,9 +85,11 @@ class StageWorker:
 
     # -- tensor store -------------------------------------------------------------------------
 
-    def put(self, key: TensorKey, array: np.ndarray) -> None:
-        """Store a received tensor (a wire array) under `key`."""
-        self.store[key] = torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+    def put(self, key: TensorKey, array: np.ndarray, cast: bool = False) -> None:
+        """Store a received tensor (a wire array) under `key`; `cast`: in torch's default float
+        dtype (a decoded bf16/fp16/int8 wire tensor arrives as float32)."""
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        self.store[key] = t.to(self.device, torch.get_default_dtype()) if cast else t.to(self.device)
 
     def to_numpy(self, key: TensorKey) -> np.ndarray:
         """The stored tensor `key` as a contiguous CPU array (for an outgoing frame)."""

@@ -5,7 +5,8 @@ Owns: the scenario dataclasses (TOML files in configs/scenarios/, loaded strictl
 (file + `--set` overrides), and `build` (scenario + seed -> Instance, TrainParams, per-node
 speeds). A scenario is data: nodes (with the GPU mix, FLOP/s and bandwidth scales, downlink),
 model, iterations, churn rates, link instability, scripted faults (`gwtf.protocol.faults`:
-the one fault grammar, re-exported here as `Fault`), protocol knobs.
+the one fault grammar, re-exported here as `Fault`), protocol knobs, the wire formats of
+activations and gradients (`[wire]`, as in the train config: message sizes follow them).
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -13,17 +14,26 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from gwtf.config import FlowConfig, ModelConfig, ProtocolConfig, from_dict, merge_overrides, read_toml
+from gwtf.config import (
+    FlowConfig,
+    ModelConfig,
+    ProtocolConfig,
+    WireConfig,
+    from_dict,
+    merge_overrides,
+    read_toml,
+)
 from gwtf.errors import UserError
 from gwtf.flow.generate import generate_instance
 from gwtf.flow.instance import Instance
 from gwtf.flow.network import CONTROL_BYTES
 from gwtf.flow.profiles import resolve_mix
 from gwtf.model.presets import model_spec
+from gwtf.model.wire import boundary_bytes
 from gwtf.protocol.faults import Fault as Fault  # re-exported: the scenario's [[faults]] entries
 from gwtf.protocol.faults import parse_fault, require
 from gwtf.protocol.ledger import TrainParams
@@ -156,6 +166,7 @@ class ScenarioConfig:
     sim: SimSection = field(default_factory=SimSection)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)  # used when protocol.router = "flow"
+    wire: WireConfig = field(default_factory=WireConfig)  # activation/gradient formats: message sizes
     faults: tuple[Fault, ...] = ()  # scripted faults: TOML tables or compact strings (docs/faults.md)
 
     def __post_init__(self) -> None:
@@ -190,6 +201,11 @@ def build(sc: ScenarioConfig, seed: int) -> tuple[Instance, TrainParams]:
     cfg = ModelConfig(family=m.family, preset=m.preset, seq_len=m.seq_len, microbatch_size=m.microbatch_size,
                       stages=m.stages)
     spec = model_spec(cfg, m.vocab_size)
+    w = sc.wire
+    sizes = boundary_bytes(spec.activation_bytes(m.microbatch_size, dtype_bytes=1), w.activations, w.gradients,
+                           w.block_values)
     train = iteration_params(spec, stages=m.stages, microbatch_size=m.microbatch_size, seq_len=m.seq_len,
-                             microbatches=demand, iterations=sc.train.iterations)
+                             microbatches=demand, iterations=sc.train.iterations, wire_bytes=sizes)
+    if train.route_bytes != inst.activation_bytes:  # the central optimum prices the same bytes
+        inst = replace(inst, activation_bytes=train.route_bytes)
     return inst, train

@@ -1,0 +1,27 @@
+"""Simulated message sizes follow the scenario's [wire] formats (gwtf.model.wire.wire_bytes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gwtf.model.wire import wire_bytes
+from gwtf.sim.scenario import build, load_scenario
+
+NUMEL = 8 * 128 * 128  # tiny preset: microbatch 8 x seq_len 128 x d_model 128
+
+
+@pytest.mark.parametrize(("act", "grad"), [("fp32", "fp32"), ("bf16", "bf16"), ("int8", "bf16"), ("fp16", "int8")])
+def test_scenario_wire_sets_forward_and_backward_bytes(act: str, grad: str) -> None:
+    sc = load_scenario(None, ['model.preset="tiny"', "model.seq_len=128", f'wire.activations="{act}"',
+                              f'wire.gradients="{grad}"', "wire.block_values=1000"])
+    inst, train = build(sc, 0)
+    assert train.activation_bytes == wire_bytes(NUMEL, act, 1000)
+    assert train.activation_grad_bytes == wire_bytes(NUMEL, grad, 1000)
+    assert inst.activation_bytes == train.route_bytes == (train.activation_bytes + train.activation_grad_bytes) // 2
+    assert train.stage_grad_bytes == build(load_scenario(None, ['model.preset="tiny"', "model.seq_len=128"]), 0)[
+        1].stage_grad_bytes  # parameter gradients stay float32
+
+
+def test_default_is_fp32() -> None:
+    _, train = build(load_scenario(None, ['model.preset="tiny"', "model.seq_len=128"]), 0)
+    assert train.activation_bytes == train.activation_grad_bytes == 4 * NUMEL
