@@ -117,7 +117,8 @@ class ButterflyMixin(CoreState):
     def bf_on_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
         """A contributor's part for me to reduce ("pgrad"), or an owner's reduced part ("rgrad")."""
         key = msg.key
-        if len(key) != 6 or key[0] not in ("pgrad", "rgrad") or key[3] != sender or key[4] != msg.round:
+        if len(key) != 6 or key[0] not in ("pgrad", "rgrad") or key[1] != self.me.stage or key[3] != sender \
+                or key[4] != msg.round:
             return [log("warning", "bad_grad_share", sender=sender, key=str(key)[:80])]
         (self.shares if key[0] == "pgrad" else self.rparts).setdefault(msg.round, set()).add(sender)
         c = self.commit
