@@ -226,6 +226,10 @@ class ProtocolConfig:
     rebalance_min_gain: float = 0.02  # gwtf: a move must cut the estimated cost per microbatch by this fraction
     view_size: int = 0  # routers see ~this many peers of each neighbouring stage (0: all; >= 16; protocol.view)
     reduce_fanout: int = 0  # the reduced gradient goes out down a tree of this fan-out (0: the reducer sends to all)
+    # how a stage's replicas average gradients: "gather" (every contributor -> one reducer, which sends the
+    # mean to all: R-1 gradients on its uplink) or "butterfly" (reduce-scatter + all-gather over R parts:
+    # ~2(R-1)/R of a gradient per node; protocol/butterfly.py). Every node of a swarm must use the same.
+    reduce: Literal["gather", "butterfly"] = "gather"
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_period_s", "suspect_after_s", "evict_after_s", "deadline_floor_s",
@@ -248,6 +252,8 @@ class ProtocolConfig:
         _require(self.view_size == 0 or self.view_size >= 16, "protocol.view_size", "must be 0 (all) or >= 16")
         _require(self.reduce_fanout == 0 or self.reduce_fanout >= 2, "protocol.reduce_fanout",
                  "must be 0 (the reducer sends to every replica) or >= 2")
+        _require(self.reduce == "gather" or self.reduce_fanout == 0, "protocol.reduce_fanout",
+                 'is a tree of "gather": it must be 0 with protocol.reduce = "butterfly"')
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -49,11 +49,14 @@ def _compare(make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, i
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("reduce", ["gather", "butterfly"])
 def test_two_data_holders_two_relays_match_local_trainer(
-    make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]], tmp_path: Path
+    make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]], tmp_path: Path, reduce: str
 ) -> None:
-    """4 processes: data holders dh0, dh1 (stage 0) and relays r1a, r1b (stage 1 of 2)."""
-    _compare(make_swarm, finish, ("model.stages=2", "train.iterations=6"), tmp_path, rtol=1e-5, timeout_s=90)
+    """4 processes: data holders dh0, dh1 (stage 0) and relays r1a, r1b (stage 1 of 2); the
+    replicas reduce by gather or by the butterfly all-reduce (`protocol.reduce`)."""
+    _compare(make_swarm, finish, ("model.stages=2", "train.iterations=6", f'protocol.reduce="{reduce}"'),
+             tmp_path, rtol=1e-5, timeout_s=90)
 
 
 @pytest.mark.integration

@@ -57,7 +57,7 @@ def _fault(rng: random.Random, nodes: list[str], stages: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Long mode: `python tests/sim/faultgen.py --seeds N [--first K] [--nodes 120 --view-size 16]
-    [--reduce-fanout 2]`; exit 1 on any violation."""
+    [--reduce-fanout 2] [--reduce butterfly] [--set KEY=VALUE ...]`; exit 1 on any violation."""
     import argparse
 
     from gwtf.sim.scenario import load_scenario
@@ -70,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=0, help="more nodes than the schedule's own shape")
     parser.add_argument("--view-size", type=int, default=0, help="protocol.view_size (bounded views)")
     parser.add_argument("--reduce-fanout", type=int, default=0, help="protocol.reduce_fanout (broadcast tree)")
+    parser.add_argument("--reduce", choices=("gather", "butterfly"), default="gather", help="protocol.reduce")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a scenario override after the schedule's own (repeatable)")
     args = parser.parse_args(argv)
     extra = ([f"nodes.count={args.nodes}"] if args.nodes else []) + [f"protocol.view_size={args.view_size}",
-                                                                     f"protocol.reduce_fanout={args.reduce_fanout}"]
+                                                                     f"protocol.reduce_fanout={args.reduce_fanout}",
+                                                                     f'protocol.reduce="{args.reduce}"', *args.set]
     bad = 0
     stops: dict[str, int] = {}
     for seed in range(args.first, args.first + args.seeds):

@@ -79,3 +79,16 @@ def test_a_restarted_microbatch_passes_replicas_that_counted_it_already() -> Non
     summary, _ = run_scenario(load_scenario(None, random_schedule(650951)), 650951, "swarm")
     assert summary["invariant_violations"] == 0, summary["violations"][:3]
     assert summary["finished"], summary["stop_reason"]
+
+
+@pytest.mark.parametrize("system", ["gwtf", "swarm"])
+def test_fault_schedules_with_the_butterfly_all_reduce_keep_every_invariant(system: str) -> None:
+    """`protocol.reduce = "butterfly"` (protocol/butterfly.py) on 20 schedules of their own
+    range (long mode: `python tests/sim/faultgen.py --seeds 1000 --first 720000 --reduce butterfly`)."""
+    failures = []
+    for seed in range(720000, 720020):
+        sc = load_scenario(None, [*random_schedule(seed), 'protocol.reduce="butterfly"'])
+        summary, _ = run_scenario(sc, seed, system)
+        if summary["invariant_violations"]:
+            failures.append((seed, summary["violations"][:3]))
+    assert not failures, failures

@@ -33,6 +33,7 @@ import torch
 from gwtf.config import Config, load_config
 from gwtf.flow.instance import Instance
 from gwtf.model.data import TokenDataset, load_dataset
+from gwtf.protocol.butterfly import layout
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.messages import Compute
 from gwtf.sim.scenario import Fault, ScenarioConfig, build, load_scenario
@@ -251,4 +252,58 @@ def test_a_broadcast_tree_passes_the_real_reduced_gradient_on(setup: Setup) -> N
                                                       float(setup.no_churn.summary["training_time_s"]), 6, 3)
         run = run_with_tensors(replace(sc, faults=tuple(faults)), seed, setup.cfg, setup.dataset, built=built)
         failures += [f"seed {seed}: {p}" for p in _problems(run, setup.reference, initial)]
+    assert failures == [], "\n".join(failures)
+
+
+class _GatherCheck(TensorSimulator):
+    """Butterfly, checked against gather at every join: when a replica has joined the reduced
+    parts (`concat`), the result must equal, bit for bit, what gather's reducer computes from the
+    same exported gradients (`StageWorker.reduce` of the whole flat gradients, in the Commit's
+    contributor order)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.exported: dict[tuple[object, ...], torch.Tensor] = {}  # (stage, it, node, round) -> flat
+        self.joins = 0
+        self.mismatches: list[str] = []
+
+    def _compute_done(self, node: str, job: Compute, dur_s: float) -> None:
+        super()._compute_done(node, job, dur_s)
+        host, core = self.hosts.get(node), self.cores.get(node)
+        if host is None or core is None or host.worker is None:
+            return
+        store = host.worker.store
+        if job.kind == "export_grad":
+            self.exported[job.outputs[0][1:5]] = torch.cat([store[k] for k in job.outputs])
+        elif job.kind == "concat" and core.commit is not None and core.commit.round == job.outputs[0][4]:
+            lay = layout(core.commit)
+            st, it, rnd = job.stage, job.outputs[0][2], job.outputs[0][4]
+            want = host.worker.reduce([self.exported[(st, it, n, rnd)] for n in lay.positive], lay.total)
+            self.joins += 1
+            if not torch.equal(store[job.outputs[0]], want):
+                self.mismatches.append(f"{node} stage {st} iteration {it} round {rnd}")
+
+
+def test_butterfly_reduces_to_gathers_bits_and_the_reference(setup: Setup, tmp_path: Path) -> None:
+    """`protocol.reduce = "butterfly"`, float32 (the runtime's dtype) and float64: every join
+    equals gather's reduction of the same gradients bit for bit (the reduction is elementwise:
+    part j of the sum is the sum of the parts j, in the same order), and, float64, without churn
+    and with relays crashing at random protocol points (4 seeds), every survivor ends with the
+    reference trainer's weights (the module's tolerance)."""
+    sc = load_scenario(None, [*SCENARIO, 'protocol.reduce="butterfly"'])
+    cfg = replace(setup.cfg, protocol=sc.protocol)
+    for dtype in (torch.float32, torch.float64):
+        sim = _GatherCheck(sc, 0, cfg, setup.dataset, out_dir=tmp_path / str(dtype), built=setup.built, dtype=dtype)
+        sim.run()
+        assert sim.joins >= K * len(setup.built[0].by_id) and sim.mismatches == [], sim.mismatches
+    failures = []
+    for seed in range(4):
+        faults: list[Fault] = []
+        cfaults: list[ComputeFault] = []
+        if seed:
+            faults, cfaults, _ = relay_crash_schedule(random.Random(f"butterfly:{seed}"), setup.built[0].by_stage,
+                                                      float(setup.no_churn.summary["training_time_s"]), 3, 2)
+        run = run_with_tensors(replace(sc, faults=tuple(faults)), seed, cfg, setup.dataset, built=setup.built,
+                               compute_faults=cfaults)
+        failures += [f"seed {seed}: {p}" for p in _problems(run, setup.reference, _initial(setup))]
     assert failures == [], "\n".join(failures)

@@ -29,9 +29,10 @@ from typing import Any
 
 from gwtf.protocol import messages as msgs
 from gwtf.protocol.base import IdentityMemo, NodeId, log
+from gwtf.protocol.butterfly import ButterflyMixin
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.ledger import CoreState, Effect
+from gwtf.protocol.ledger import Effect
 from gwtf.protocol.messages import (
     NONE,
     Collect,
@@ -160,8 +161,9 @@ def plan_redo(stages: int, expected: Mapping[NodeId, tuple[int, ...]],
     return Plan(tuple(resets), tuple(chains), missing)
 
 
-class AggregationMixin(CoreState):
-    """Leader and replica sides of the iteration barrier (see the module docstring)."""
+class AggregationMixin(ButterflyMixin):
+    """Leader and replica sides of the iteration barrier (see the module docstring); the
+    butterfly all-reduce's replica side is `ButterflyMixin` (`protocol.reduce = "butterfly"`)."""
 
     # ---- replica side ------------------------------------------------------------------
 
@@ -180,6 +182,7 @@ class AggregationMixin(CoreState):
             # must survive it: faultgen seed 501556 waited for that share for good)
             self.commit: Commit | None = None
             self.shares: dict[int, set[NodeId]] = {}
+            self.rparts = {}
             self.have_round = NONE
         self.iteration = msg.iteration
         self.reported = False
@@ -255,6 +258,11 @@ class AggregationMixin(CoreState):
             # a resend of an older round (after a cut link) overtaken by the newer one: taking it
             # would leave us holding a round the leader no longer waits for (faultgen seed 20100)
             return [log("info", "old_commit_ignored", round=msg.round, holding=self.commit.round)]
+        if self.cfg.reduce == "butterfly":
+            if self.commit is not None and self.commit.round == msg.round:
+                return []  # a resend of the round we are reducing
+            self.commit, self.have_round = msg, NONE
+            return self.bf_commit(msg, now)
         self.commit = msg
         self.have_round = NONE
         d = digest(msg)
@@ -292,6 +300,8 @@ class AggregationMixin(CoreState):
     def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
         if msg.iteration != self.iteration:
             return []
+        if self.cfg.reduce == "butterfly":
+            return self.bf_on_share(sender, msg, now)
         self.shares.setdefault(msg.round, set()).add(sender)
         c = self.commit
         if c is None or c.round != msg.round:
@@ -380,11 +390,14 @@ class AggregationMixin(CoreState):
         return [Compute(job, ComputeKind.EXPORT_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
 
     def aggregation_compute_done(self, kind: ComputeKind, ref: Any, now: float) -> list[Effect]:
+        butterfly = self.cfg.reduce == "butterfly"
         if kind == ComputeKind.EXPORT_GRAD:
             rnd, key = ref
-            return self._share_grads(rnd, key, now)
+            return self.bf_exported(rnd, now) if butterfly else self._share_grads(rnd, key, now)
         if kind == ComputeKind.REDUCE:
-            return self._reduced(ref, now)
+            return self.bf_reduced(ref, now) if butterfly else self._reduced(ref, now)
+        if kind == ComputeKind.CONCAT:
+            return self.bf_joined(ref, now)
         if kind == ComputeKind.STEP:
             it, rnd, contributors = ref
             return [record(RecordName.STEP, node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,
@@ -402,6 +415,7 @@ class AggregationMixin(CoreState):
         self.started_iter = NONE
         self.commit = None  # the rolled-back iterations' rounds are void (IterStart keeps them
         self.shares = {}  # when the iteration number does not change)
+        self.rparts = {}
         self.have_round = NONE
         if not self.active:
             return []

@@ -14,7 +14,7 @@ Trigger semantics (`FaultWatch`):
   process: seconds since it started).
 - `record` (`after_event`): right after the `count`-th Record named `after_event` ("any": every
   record) that passes every filter; `compute` (`after_compute`): when the `count`-th Compute of
-  kind `after_compute` ("aggregate": export_grad, reduce or step; "any": every kind) that passes
+  kind `after_compute` ("aggregate": export_grad, reduce, concat or step; "any": every kind) that passes
   every filter is issued (the job is lost with a crash).
 - count semantics: matches are counted per fault, over every node the driver feeds (a real node
   feeds only its own); the fault fires exactly once, on match number `count` (>= 1), and never
@@ -45,7 +45,8 @@ ACTIONS: tuple[str, ...] = get_args(Action)
 TRIGGERS = ("time", "record", "compute")
 ANY = "any"
 COMPUTE_GROUPS: dict[str, frozenset[ComputeKind]] = {
-    "aggregate": frozenset({ComputeKind.EXPORT_GRAD, ComputeKind.REDUCE, ComputeKind.STEP}),
+    "aggregate": frozenset({ComputeKind.EXPORT_GRAD, ComputeKind.REDUCE, ComputeKind.CONCAT,
+                            ComputeKind.STEP}),
 }
 RECORD_NAMES = frozenset(r.value for r in RecordName) | {ANY}
 COMPUTE_NAMES = frozenset(k.value for k in ComputeKind) | set(COMPUTE_GROUPS) | {ANY}

@@ -23,9 +23,10 @@ class ComputeKind(StrEnum):
     LOSS = "loss"  # data holder: head forward + backward, the gradient w.r.t. the returned activation
     BACKWARD = "backward"  # a relay's backward: accumulates the stage's parameter gradients
     EMBED_BACKWARD = "embed_backward"  # data holder: the embedding's backward
-    EXPORT_GRAD = "export_grad"  # the accumulated gradient -> a key
+    EXPORT_GRAD = "export_grad"  # the accumulated gradient -> a key; n > 1 keys: its n contiguous parts, in order
     RESET_GRAD = "reset_grad"  # discard the accumulated gradients
     REDUCE = "reduce"  # sum the input gradients in the given order, divide by `count`
+    CONCAT = "concat"  # the input gradient parts joined in order -> one key (butterfly all-gather)
     STEP = "step"  # optimizer step on the reduced gradient
     EXPORT_STATE = "export_state"  # weights + optimizer state -> a key (a joiner's transfer)
     IMPORT_STATE = "import_state"  # ... and back from a key

@@ -303,11 +303,17 @@ class LeaderMixin(CoreState):
     def _commit_broken(self, pid: NodeId, stage: int) -> bool:
         """A death during commit forces a new round only if it was the stage's reducer, a
         contributor whose gradient the reducer may not hold yet (its Have not received), or a
-        broadcast-tree parent with a child that has not said Have (it may never get the gradient)."""
+        broadcast-tree parent with a child that has not said Have (it may never get the gradient).
+        Butterfly: any replica of the stage while another has not said Have (module butterfly)."""
         c = self.lead.commits.get(stage)
         if c is None:
             return False
         d = digest(c)
+        if self.cfg.reduce == "butterfly":
+            # every replica owns a part: a replica gone before all the others hold the reduced
+            # gradient may have taken one with it (on its uplink, or not yet reduced)
+            return (pid == d.reducer or pid in d.pos) and not all(
+                r in self.lead.haves for r in c.replicas if r != pid)
         if pid == d.reducer:
             return True
         if pid in self.lead.contributors and d.reducer not in self.lead.haves:

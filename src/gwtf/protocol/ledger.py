@@ -198,6 +198,12 @@ class CoreState:
         self.need_count = 0
         self.reducer: NodeId = ""  # the stage replica that sums the gradients of the committed round
         self.own_exported = NONE  # round whose own gradient export finished
+        # the butterfly all-reduce (protocol.butterfly): reduced parts' senders by round, and the
+        # round whose part reduction was issued / whose reduced part was sent / whose parts are being joined
+        self.rparts: dict[int, set[NodeId]] = {}
+        self.bf_reducing = NONE
+        self.bf_reduced_round = NONE
+        self.bf_joining = NONE
 
     # -- the parts' interface to each other -------------------------------------------------
     # Declared here, implemented by one part each (named in the docstring); NodeCore's MRO puts

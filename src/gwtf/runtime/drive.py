@@ -5,7 +5,7 @@ contract of docs/protocol.md without any protocol logic:
 - a tensor-carrying message names its tensor by `msg.key`: outgoing, the stored tensor under that
   key is attached; incoming, the received array is stored under it;
 - a `Compute(kind, inputs, outputs)` runs the matching worker job on the named keys (embed,
-  forward, loss, backward, embed_backward, export_grad, reduce, step, reset_grad, export_state,
+  forward, loss, backward, embed_backward, export_grad, reduce, concat, step, reset_grad, export_state,
   import_state, load_checkpoint, export_checkpoint, store_checkpoint, read_checkpoint) and is
   answered with `core.on_compute_done(job_id, now)`;
 - `FreeIteration(t)` drops every tensor whose key's iteration (key[2]) is <= t;
@@ -15,7 +15,10 @@ contract of docs/protocol.md without any protocol logic:
   enough), so flow costs price this node's real speed (it starts unmeasured, `UNMEASURED_S`);
   `runtime.compute_slowdown` makes a node that much slower (tests, demos);
 - `reduce` sums the named gradients in the given (sorted replica) order and rescales the sum to
-  the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`).
+  the `count` microbatches behind it; `step` applies the reduced gradient (`StageWorker`). With
+  `protocol.reduce = "butterfly"`, `export_grad` names several keys (the gradient's contiguous
+  parts, `torch.tensor_split`), `reduce` runs on one part, and `concat` joins the reduced parts
+  in order: elementwise, the same sums in the same order as a reduction of the whole.
 
 Threads: no torch call ever runs on the event loop (a loop blocked for a second misses heartbeats
 and the node is evicted). The loop side (`tensors_for`, `store_tensors`, `free_wire`) touches
@@ -353,13 +356,19 @@ class Host:
             case ComputeKind.EMBED_BACKWARD:
                 assert eff.mb is not None
                 w.backward(eff.mb, ins[0], None)
-            case ComputeKind.EXPORT_GRAD:
-                w.store[outs[0]] = w.grads_flat()
-                self.grad_counts[outs[0]] = w.microbatches_accumulated
+            case ComputeKind.EXPORT_GRAD:  # several keys: the butterfly's parts (views of one copy)
+                flat = w.grads_flat()
+                for key, part in zip(outs, torch.tensor_split(flat, len(outs)) if len(outs) > 1 else (flat,),
+                                     strict=True):
+                    w.store[key] = part
+                    self.grad_counts[key] = w.microbatches_accumulated
             case ComputeKind.RESET_GRAD:
                 w.zero_grads()
             case ComputeKind.REDUCE:
                 w.store[outs[0]] = w.reduce([w.store[k] for k in ins], eff.count)
+                self.grad_counts[outs[0]] = eff.count
+            case ComputeKind.CONCAT:
+                w.store[outs[0]] = torch.cat([w.store[k] for k in ins])
                 self.grad_counts[outs[0]] = eff.count
             case ComputeKind.STEP:
                 out.records.append((RecordName.STEPPED, self._step(w, eff)))
