@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
+from gwtf.cli import main
 from gwtf.config import RuntimeConfig
 from gwtf.runtime.codec import Decoder, WireError, encode_bytes
 from gwtf.runtime.statusrpc import (
@@ -125,3 +127,40 @@ def test_status_messages_are_validated_like_every_message() -> None:
             _roundtrip(bad)
     with pytest.raises(WireError):
         Decoder(registry=STATUS_TYPES).feed(encode_bytes(StatusRequest(req=1, scope="everything")))  # type: ignore[arg-type]
+
+
+class _Background:
+    """A data-holder member answering status requests on its own event loop thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.member = Member("dh0", 0, "data-holder")
+        self.addr = asyncio.run_coroutine_threadsafe(self.member.start(), self.loop).result(10)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.member.t.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def test_status_command_prints_the_table_and_refuses_a_wrong_secret(tmp_path: Any, capsys: Any) -> None:
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_bytes(SECRET)
+    bad.write_bytes(b"another-secret-of-sufficient-len")
+    member = _Background()
+    try:
+        assert main(["status", member.addr, "--secret-file", str(good), "--timeout-s", "8"]) == 0
+        out = capsys.readouterr().out
+        assert "iteration 5/10" in out and "dh0" in out and "1500" in out
+        assert main(["status", member.addr, "--secret-file", str(bad), "--timeout-s", "4"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"gwtf: error: no status from {member.addr}"), err
+    finally:
+        member.close()
+    port = _free_port()
+    assert main(["status", f"127.0.0.1:{port}", "--secret-file", str(good), "--timeout-s", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"gwtf: error: no status from 127.0.0.1:{port}"), err
