@@ -42,10 +42,10 @@ def _filled_frame(text: str) -> dict[str, dict[str, str]] | None:
     if not HEADER.search(text):
         return None
     lines = text.splitlines()
-    heads = [i for i, line in enumerate(lines) if "│" in line and "served" in line and "tokens/s" in line]
+    heads = [i for i, line in enumerate(lines) if "┃" in line and "served" in line and "tokens/s" in line]
     if not heads:
         return None
-    columns = [c.strip() for c in lines[heads[-1]].split("│")]
+    columns = [c.strip() for c in lines[heads[-1]].split("┃")]
     filled: dict[str, dict[str, str]] = {}
     for line in lines[heads[-1] + 1:]:
         cells = [c.strip() for c in line.split("│")]
@@ -67,7 +67,7 @@ def test_demo_under_a_terminal_shows_the_header_and_fills_the_table(tmp_path: Pa
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "220", "LINES": "60"}
     env.pop("NO_COLOR", None)
     cmd = [sys.executable, "-m", "gwtf", "demo", "--out", str(out), "--config", TEST_CONFIG,
-           "--iterations", "400", "--churn", "none", "--timeout-s", str(DEADLINE_S)]
+           "--iterations", "100000", "--churn", "none", "--timeout-s", str(DEADLINE_S)]
     demo = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
     os.close(slave)
     seen = b""
@@ -87,7 +87,7 @@ def test_demo_under_a_terminal_shows_the_header_and_fills_the_table(tmp_path: Pa
         assert filled is not None, ANSI.sub(b"", seen)[-4000:].decode(errors="replace")
         text = ANSI.sub(b"", seen).decode(errors="replace")
         header = HEADER.findall(text)[-1]
-        assert int(header[0]) >= 1 and header[1] == "400", header
+        assert int(header[0]) >= 1 and header[1] == "100000", header
         assert all(float(row["tokens/s"]) > 0 for row in filled.values()), filled
 
         os.killpg(demo.pid, signal.SIGINT)  # Ctrl+C

@@ -152,7 +152,7 @@ def render_table(rows: Iterable[Mapping[str, Any]], title: str = "", stalled: It
     for col, justify in (
         ("node", "left"), ("role", "left"), ("stage", "right"), ("region", "left"), ("state", "left"),
         ("iter", "right"), ("in flight", "right"), ("served", "right"), ("last loss", "right"),
-        ("tokens/s", "right"), ("iter [s]", "right"),
+        ("tokens/s", "right"), ("s/iter", "right"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for row in rows:
