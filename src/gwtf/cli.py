@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "run a geo-distributed churn scenario in the discrete-event simulator",
     "node": "run one node process (relay or data holder) over TCP",
     "swarm": "start a local swarm of node processes on loopback",
+    "status": "print the live table of a running swarm, asked from any member (HOST:PORT)",
     "secret": "create a swarm secret file (gwtf secret new PATH)",
     "generate": "generate text from a trained checkpoint (local or swarm), streamed",
     "export": "export a trained checkpoint as a Hugging Face folder (GPT-2 or Llama)",

@@ -150,8 +150,10 @@ class RuntimeConfig:
     # >= 1: this node's microbatch jobs take this many times their real time (the worker sleeps
     # the difference, and the measured compute time includes it): a slow GPU for tests and demos
     compute_slowdown: float = 1.0
+    progress_every: int = 10  # `gwtf node`: a progress line on stdout every this many iterations (and the last); 0 = none
 
     def __post_init__(self) -> None:
+        _require(self.progress_every >= 0, "runtime.progress_every", "must be >= 0")
         _require(self.max_frame_bytes >= 2**16, "runtime.max_frame_bytes", "must be >= 65536")
         _require(self.torch_threads >= 0, "runtime.torch_threads", "must be >= 0")
         _require(self.status_period_s > 0, "runtime.status_period_s", "must be > 0")

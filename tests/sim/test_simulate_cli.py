@@ -50,3 +50,24 @@ def test_bad_scenarios_are_one_line_errors(
     assert main(["simulate", str(bad), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and needle in err, err
+
+
+def test_default_is_the_comparison_with_units(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", str(SMOKE), "--seed", "1", "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    assert set(json.loads((tmp_path / "c" / "summary.json").read_text())) == {"gwtf", "swarm"}
+    out = capsys.readouterr().out
+    for label in ("time to K iterations [s]", "throughput [tokens/s]", "idle GPU time [% of GPU time]",
+                  "microbatches dropped [count]", "gwtf", "swarm"):
+        assert label in out, out
+    assert "%" in out.split("idle GPU time")[1].splitlines()[0]
+    one = tmp_path / "one"
+    assert main(["simulate", str(SMOKE), "--seed", "1", "--out", str(one), "--systems", "swarm", "--no-progress"]) == 0
+    assert set(json.loads((one / "summary.json").read_text())) == {"swarm"}
+
+
+def test_table_cells_carry_their_units() -> None:
+    from gwtf.commands.simulate import format_value
+
+    assert [format_value(v, k) for v, k in ((12.3456, "s"), (0.01234, "%"), (7.0, "n"), (1234.5678, "r"),
+                                            (123456.7, "r"), (None, "s"))] == \
+        ["12.35", "1.23%", "7", "1,235", "123,457", "-"]

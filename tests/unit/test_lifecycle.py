@@ -36,7 +36,7 @@ def test_a_stage_without_an_active_node_is_stalled_and_shown() -> None:
     console.print(render_table(rows, "swarm", stalled_stages(rows, 3)))
     text = console.export_text()
     assert "stalled: stage 1 has no node" in text and "stage 2 has no node" not in text
-    assert "microbatches" in text and "17" in text and "evicted" in text
+    assert "served" in text and "17" in text and "evicted" in text
 
 
 def test_only_a_joiner_that_served_after_activation_counts() -> None:

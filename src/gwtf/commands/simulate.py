@@ -4,6 +4,8 @@ Owns: the command's flags, the rich progress display and comparison table, and t
 outputs: DIR/summary.json ({system: metrics}, no wall-clock values: same seed, same bytes),
 DIR/timeline.csv (one row per completed iteration and system), DIR/scenario.resolved.toml and
 the plots of `gwtf.sim.plots` (throughput.png, cumulative.png, systems.png).
+By default it runs gwtf and SWARM on the same nodes and churn trace (`--systems` picks one or
+others) and prints one column per system, every row labelled with its unit.
 Scenario knobs are `--set section.key=value` overrides, not flags.
 """
 
@@ -26,20 +28,48 @@ from gwtf.sim.simulator import Simulator
 
 __all__ = ["add_arguments", "run"]
 
-TABLE = (("training_time_s", "time to K iterations [s]"), ("iterations", "iterations"),
-         ("throughput_microbatches_per_s", "microbatches/s"), ("throughput_tokens_per_s", "tokens/s"),
-         ("gpu_waste_fraction", "GPU waste (discarded+idle)"), ("idle_fraction", "idle GPU time"),
-         ("discarded_waste_fraction", "discarded GPU time"), ("discarded_fraction", "discarded / busy compute"),
-         ("microbatches_dropped", "microbatches dropped"), ("crashes", "crashes"),
-         ("recovery_time_mean_s", "recovery mean [s]"), ("invariant_violations", "invariant violations"))
+DEFAULT_SYSTEMS = "gwtf,swarm"  # a comparison unless --systems names one
+
+# (summary key, label with its unit, how the value is shown)
+TABLE = (
+    ("training_time_s", "time to K iterations [s]", "s"),
+    ("iterations", "iterations completed [count]", "n"),
+    ("throughput_microbatches_per_s", "throughput [microbatches/s]", "r"),
+    ("throughput_tokens_per_s", "throughput [tokens/s]", "r"),
+    ("gpu_waste_fraction", "GPU waste: idle + discarded [% of GPU time]", "%"),
+    ("idle_fraction", "idle GPU time [% of GPU time]", "%"),
+    ("discarded_waste_fraction", "discarded GPU time [% of GPU time]", "%"),
+    ("discarded_fraction", "discarded compute [% of compute done]", "%"),
+    ("microbatches_dropped", "microbatches dropped [count]", "n"),
+    ("crashes", "crashes [count]", "n"),
+    ("recovery_time_mean_s", "recovery time, mean [s]", "s"),
+    ("invariant_violations", "invariant violations [count]", "n"),
+)
+
+
+def format_value(value: Any, kind: str) -> str:
+    """A table cell: seconds with 2 decimals, counts as integers, rates with 4 significant
+    digits, fractions as percentages; "-" when the summary has no such value."""
+    if value is None or value == "" or isinstance(value, bool):
+        return "-" if value in (None, "") else str(value)
+    if not isinstance(value, (int, float)):
+        return str(value)
+    if kind == "%":
+        return f"{100 * value:.2f}%"
+    if kind == "s":
+        return f"{value:,.2f}"
+    if kind == "n":
+        return f"{int(value):,}"
+    return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", metavar="SCENARIO.toml", help="scenario file (see configs/scenarios/)")
     parser.add_argument("--seed", type=int, default=0, help="seed of nodes, churn and jitter")
     parser.add_argument("--out", metavar="DIR", default="", help="output folder (default runs/sim-NAME-sSEED)")
-    parser.add_argument("--systems", default=None,
-                        help="comma-separated systems to compare, e.g. gwtf,swarm (default: protocol.system)")
+    parser.add_argument("--systems", default=DEFAULT_SYSTEMS, metavar="A,B",
+                        help=f"comma-separated systems to run on the same nodes and churn trace (default: "
+                             f"{DEFAULT_SYSTEMS}, the comparison; one name, e.g. --systems gwtf, runs only that)")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
     parser.add_argument("--fault", dest="faults", metavar="SPEC", action="append", default=[],
                         help="add one scripted fault (repeatable), e.g. crash:t=30:node=n3 or "
@@ -54,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
     sc = load_scenario(args.scenario, args.overrides)
     if args.faults:  # appended to the scenario's own [[faults]]; checked like them
         sc = replace(sc, faults=sc.faults + tuple(parse_fault(f, "--fault") for f in args.faults))
-    names = sc.protocol.system if args.systems is None else args.systems
-    systems = [s.strip() for s in names.split(",") if s.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems:
         raise UserError("--systems is empty")
     factories = {name: get_system(name, sc.protocol) for name in systems}  # unknown system -> UserError
@@ -116,14 +145,15 @@ def _write_timeline(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def _print_table(summaries: dict[str, dict[str, Any]], out: Path) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"simulation results ({out})")
     table.add_column("metric")
     for name in summaries:
         table.add_column(name, justify="right")
-    for key, label in TABLE:
-        table.add_row(label, *(f"{s.get(key, '')}" for s in summaries.values()))
+    for key, label, kind in TABLE:
+        table.add_row(escape(label), *(format_value(s.get(key), kind) for s in summaries.values()))
     console = Console()
     console.print(table)
     for name, s in summaries.items():

@@ -2,11 +2,13 @@
 
 Owns the command's flags (output folder, replicas per relay stage, churn level, WAN emulation,
 iterations, overall timeout, device (= train.device, passed to each node), swarm secret file, per-node
-slowdowns and `--fault NODE=SPEC` chaos faults:
-checked before any node starts, passed to each)
-and the display loop: a live rich table on a terminal, one progress line every few seconds
-otherwise (and a line whenever a stage is left without an active node: "stalled: stage K has no
-node"). The processes, churn and metrics are `gwtf.runtime.swarm`.
+slowdowns and `--fault NODE=SPEC` chaos faults: checked before any node starts, passed to each)
+and the display loop: on a terminal a live rich table under a swarm-wide header (iteration X/K,
+ETA, loss, tokens/s, members by stage, crashes and joins: `gwtf.runtime.watch`), one progress
+line every few seconds otherwise (and a line whenever a stage is left without an active node:
+"stalled: stage K has no node"). The processes, churn and metrics are `gwtf.runtime.swarm`;
+the validation loss of the checkpoints `gwtf.runtime.validation`. loss.png is written however
+the run ends (finished, timed out, Ctrl+C), from the iterations completed.
 Every node process started here is killed when this command ends, however it ends: normally, on
 an error, on Ctrl+C (SIGINT), SIGTERM or SIGHUP (a closed terminal); a signal exits 128+signum.
 A non-empty `--out` is refused (it holds an earlier run) unless the run is resumed.
@@ -200,50 +202,28 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
 
 def _run_swarm(cfg: Config, opts: object, title: str) -> int:
     from rich.console import Console
-    from rich.live import Live
 
-    from gwtf.model.plots import plot_loss
     from gwtf.runtime.launcher import NodeStartError
-    from gwtf.runtime.status import render_table, stalled_stages
     from gwtf.runtime.swarm import Swarm, SwarmOptions
+    from gwtf.runtime.validation import CheckpointValidation
 
     assert isinstance(opts, SwarmOptions)
     console = Console(stderr=True)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, opts.out_dir)
-    deadline = time.monotonic() + opts.timeout_s
-    with Swarm(cfg, opts, say=lambda s: console.print(s)) as swarm:
+    validation = CheckpointValidation(cfg, opts.out_dir, say=lambda s: console.print(s, markup=False))
+    with Swarm(cfg, opts, say=lambda s: console.print(s), validation=validation) as swarm:
         try:
             swarm.start()
         except NodeStartError as exc:
             console.print(str(exc), markup=False)
             raise UserError(f"swarm did not start: {str(exc).splitlines()[0]}") from None
-        live_table = console.is_terminal
-        last_line, last_row = 0.0, {"time_s": 0.0, "iteration": -1}
-        window_tokens = 0
-        stalled: list[int] = []
-        with Live(render_table(swarm.table_rows(), title), console=console, auto_refresh=False,
-                  transient=False) if live_table else _NoLive() as live:
-            while not swarm.finished() and time.monotonic() < deadline:
-                rows_now = swarm.table_rows()
-                stalled = _stall_lines(stalled_stages(rows_now, cfg.model.stages), stalled,
-                                       None if live_table else console)
-                for row in swarm.step():
-                    window_tokens += row["tokens"]
-                    if not live_table and time.monotonic() - last_line > 3.0:
-                        last_line = time.monotonic()
-                        rate = window_tokens / max(1e-3, row["time_s"] - last_row["time_s"])
-                        last_row, window_tokens = row, 0
-                        console.print(f"iteration {row['iteration'] + 1}/{cfg.train.iterations} "
-                                      f"loss {row['loss']:.4f} tok/s {rate:.0f} "
-                                      f"crashes {row['crashes']} joins {row['joins']}")
-                if live_table:
-                    live.update(render_table(rows_now, title, stalled), refresh=True)
-                time.sleep(POLL_S)  # display refresh period, not synchronisation
-        swarm.close()  # training is over (or timed out): no node may run on past it
+        try:
+            _watch(swarm, cfg, title, console, time.monotonic() + opts.timeout_s)
+        finally:  # Ctrl+C too: no node runs on past the command, and the plot shows what was trained
+            swarm.close()
+            _plot(swarm.metrics.rows, opts.out_dir, title)
         rows = swarm.metrics.rows
-        if rows:
-            plot_loss(rows, opts.out_dir / "loss.png", title=title)
         if not swarm.finished():
             console.print(f"[red]timeout[/]: {len(rows)}/{cfg.train.iterations} iterations in {opts.timeout_s:.0f}s")
             return 1
@@ -257,10 +237,55 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
                   "dropped with crashed data holders); replicas identical after every step")
     first, last = rows[0]["loss"], rows[-1]["loss"]
     resumed = f" (resumed at iteration {swarm.first})" if swarm.first else ""
-    print(f"done: {len(rows)} iterations{resumed}, loss {first:.4f} -> {last:.4f}, crashes {swarm.crashes}, "
+    val = next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None)
+    val_text = f", val loss {val:.4f}" if val is not None else ""
+    print(f"done: {len(rows)} iterations{resumed}, loss {first:.4f} -> {last:.4f}{val_text}, crashes {swarm.crashes}, "
           f"joins {swarm.joins} (joiners that served, of {len(swarm.joiners)} started); outputs in {opts.out_dir} "
           "(metrics.jsonl, loss.png, nodes/)")
     return 0
+
+
+def _plot(rows: list[dict[str, Any]], out_dir: Path, title: str) -> None:
+    from gwtf.model.plots import plot_loss
+
+    if rows:
+        plot_loss(rows, out_dir / "loss.png", title=title)
+
+
+def _watch(swarm: Any, cfg: Config, title: str, console: Any, deadline: float) -> None:
+    """Poll the swarm until it finished or the deadline: the live header + table on a terminal,
+    a progress line every few seconds otherwise."""
+    from rich.live import Live
+
+    from gwtf.runtime.status import stalled_stages
+    from gwtf.runtime.watch import render_watch
+
+    def view(rows_now: list[dict[str, Any]], stalled: list[int]) -> Any:
+        return render_watch(rows_now, title, stalled, cfg.train.iterations, swarm.crashes, swarm.joins)
+
+    live_table = console.is_terminal
+    last_line, last_row = 0.0, {"time_s": 0.0, "iteration": -1}
+    window_tokens = 0
+    stalled: list[int] = []
+    with Live(view(swarm.table_rows(), []), console=console, auto_refresh=False,
+              transient=False) if live_table else _NoLive() as live:
+        while not swarm.finished() and time.monotonic() < deadline:
+            rows_now = swarm.table_rows()
+            stalled = _stall_lines(stalled_stages(rows_now, cfg.model.stages), stalled,
+                                   None if live_table else console)
+            for row in swarm.step():
+                window_tokens += row["tokens"]
+                if not live_table and time.monotonic() - last_line > 3.0:
+                    last_line = time.monotonic()
+                    rate = window_tokens / max(1e-3, row["time_s"] - last_row["time_s"])
+                    last_row, window_tokens = row, 0
+                    val = f" val {row['val_loss']:.4f}" if row.get("val_loss") is not None else ""
+                    console.print(f"iteration {row['iteration'] + 1}/{cfg.train.iterations} "
+                                  f"loss {row['loss']:.4f}{val} tok/s {rate:.0f} "
+                                  f"crashes {row['crashes']} joins {row['joins']}")
+            if live_table:
+                live.update(view(rows_now, stalled), refresh=True)
+            time.sleep(POLL_S)  # display refresh period, not synchronisation
 
 
 def _stall_lines(now: list[int], before: list[int], console: Any) -> list[int]:

@@ -65,6 +65,7 @@ from gwtf.model.data import TokenDataset, load_dataset
 from gwtf.model.device import resolve_device
 from gwtf.model.presets import ModelSpec, model_spec
 from gwtf.model.tokenizer import vocab_size_for
+from gwtf.model.trainer import lr_at
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
 from gwtf.protocol.kinds import ComputeKind, RecordName
@@ -86,8 +87,8 @@ would keep it unmeasured and idle for good next to a measured slow replica."""
 
 # Records the node process reacts to (each one a record the core emits)
 DONE_EVENTS = frozenset({RecordName.TRAINING_DONE, RecordName.SELF_STOP})  # this node's training is over
-CRASH_EVENTS = frozenset({RecordName.EVICT, RecordName.LEADER_LOST})  # counted in status.json's crashes_seen
-JOIN_EVENTS = frozenset({RecordName.JOIN_STAGE})  # this node was given a stage: joins_seen
+CRASH_EVENTS = frozenset({RecordName.EVICT, RecordName.LEADER_LOST})  # status.json's crashes_seen (`runtime.watch`)
+JOIN_EVENTS = frozenset({RecordName.JOIN})  # the leader admitted a joiner: joins_seen (`runtime.watch`)
 ACTIVE_EVENTS = frozenset({RecordName.ACTIVATED})  # a joiner holds its stage's state: state "active"
 
 
@@ -135,6 +136,7 @@ class Host:
         self._arrived: dict[Hashable, int] = {}  # received key -> its arrival number
         self._last_blob: tuple[int, int, np.ndarray] | None = None  # torch thread: the newest checkpoint written
         self.meter = ComputeMeter()  # torch thread: measured compute (`runtime.meter`)
+        self.pace = StepPace()  # torch thread: tokens and seconds since the last step
         if ident.stage is not None:
             self.worker = self._make_worker(ident.stage)
 
@@ -345,10 +347,12 @@ class Host:
                 out.records.append((RecordName.TOKENS, {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
             case ComputeKind.FORWARD:
                 w.forward(outs[0], ins[0], outs[0])
+                self.pace.served(self.cfg.model.microbatch_size * self.cfg.model.seq_len)
             case ComputeKind.LOSS:
                 assert eff.mb is not None
                 loss = w.loss(eff.mb, ins[0], outs[0])
                 tokens = self.cfg.model.microbatch_size * self.cfg.model.seq_len
+                self.pace.served(tokens)
                 out.records.append((RecordName.LOSS, {"iteration": eff.mb[1], "index": eff.mb[2], "loss": loss,
                                              "tokens": tokens}))
             case ComputeKind.BACKWARD:
@@ -448,7 +452,8 @@ class Host:
         if version % self.cfg.protocol.checkpoint_every == 0:
             self._save_checkpoint(w, version)
         return {"iteration": iteration, "stage": w.stage, "hash": h, "version": version,
-                "microbatches": self.grad_counts.get(key, 0), "peak_memory_bytes": w.peak_memory_bytes()}
+                "microbatches": self.grad_counts.get(key, 0), "peak_memory_bytes": w.peak_memory_bytes(),
+                **self.pace.stepped(), "lr": lr_at(iteration, self.cfg.train), "grad_norm": w.last_grad_norm}
 
     def _save_checkpoint(self, w: StageWorker, version: int) -> None:
         """Hashed and fsynced (`runtime.checkpoints`); the previous complete version is kept.
@@ -476,6 +481,29 @@ class Host:
         if old is not None:
             w.store = old.store
         return w
+
+
+class StepPace:
+    """Torch thread: the tokens this node computed (a relay's forwards, a data holder's losses)
+    and the wall time between its optimizer steps, for the `stepped` record's `tokens_per_s`
+    and `iteration_s` (the first step counts from the node's first microbatch job)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._tokens = 0
+
+    def served(self, tokens: int) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+        self._tokens += tokens
+
+    def stepped(self) -> dict[str, float | None]:
+        now = time.perf_counter()
+        took_s = now - self._since if self._since is not None else None
+        rate = self._tokens / took_s if took_s else None
+        self._since, self._tokens = now, 0
+        return {"iteration_s": None if took_s is None else round(took_s, 4),
+                "tokens_per_s": None if rate is None else round(rate, 1)}
 
 
 def checkpoint_dir(cfg: Config, ident: NodeIdentity) -> Path:

@@ -6,7 +6,10 @@ Owns `ProcessGroup`: it starts `python -m gwtf node ...` processes, each in its 
 and inherits the environment, $GWTF_SWARM_SECRET included); it waits for each node's single
 `READY {json}` line with a deadline (ports come from that line, never fixed ports); it kills (SIGKILL, the churn the paper
 means by "crash") or stops (SIGTERM, a graceful leave) nodes; and it kills every process it ever
-started when closed, on exceptions, on Ctrl+C, and at interpreter exit (atexit).
+started when closed, on exceptions, on Ctrl+C, and at interpreter exit (atexit). A node process
+found dead (killed, crashed, or exited) gets its status.json rewritten by the launcher with
+`dead: true`, its exit code and a dead state ("crashed" for a signal, else "exited" unless the
+node wrote its own final status): a kill -9 leaves no node to say so itself.
 
 Waiting is polling of files and `Popen.poll()` under a deadline; nothing sleeps to synchronise.
 
@@ -29,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gwtf.runtime.status import STDOUT_FILE, node_dir
+from gwtf.runtime.status import STATUS_FILE, STDOUT_FILE, node_dir, read_status, write_status
 
 READY_PREFIX = "READY "
 POLL_S = 0.02  # file polling period while waiting for a READY line
@@ -61,6 +64,7 @@ class NodeProcess:
     ready: dict[str, Any] | None = None
     state: str = "starting"  # starting | ready | killed | stopped | exited
     _offset: int = field(default=0, repr=False)
+    _marked: bool = field(default=False, repr=False)  # its status.json says it is dead
 
     @property
     def name(self) -> str:
@@ -199,6 +203,7 @@ class ProcessGroup:
         _signal_group(proc.popen, signal.SIGKILL)
         proc.popen.wait()
         proc.state = "killed"
+        mark_dead(proc)
 
     def stop(self, proc: NodeProcess, timeout_s: float = 10.0) -> int:
         """SIGTERM (graceful leave), then SIGKILL after `timeout_s`; returns the exit code."""
@@ -209,6 +214,7 @@ class ProcessGroup:
             _signal_group(proc.popen, signal.SIGKILL)
             code = proc.popen.wait()
         proc.state = "stopped"
+        mark_dead(proc)
         return code
 
     def live(self) -> list[NodeProcess]:
@@ -217,8 +223,10 @@ class ProcessGroup:
         for p in self.procs:
             if p.popen.poll() is None:
                 out.append(p)
-            elif p.state in ("starting", "ready"):
-                p.state = "exited"
+            else:
+                if p.state in ("starting", "ready"):
+                    p.state = "exited"
+                mark_dead(p)
         return out
 
     def close(self) -> None:
@@ -230,7 +238,8 @@ class ProcessGroup:
             try:
                 p.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL not delivered
-                pass
+                continue
+            mark_dead(p)
         _LIVE_GROUPS.discard(self)
 
     def __enter__(self) -> ProcessGroup:
@@ -240,6 +249,27 @@ class ProcessGroup:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def mark_dead(proc: NodeProcess) -> None:
+    """Rewrite a dead node's status.json (once): `dead`, `exit_code`, and its state ("crashed"
+    when a signal ended it; "exited" when it ended without writing a final state itself)."""
+    code = proc.popen.poll()
+    if code is None or proc._marked:
+        return
+    proc._marked = True
+    path = proc.dir / STATUS_FILE
+    status = read_status(path) or {"name": proc.name, "role": proc.plan.role}
+    if code < 0:
+        status["state"] = "crashed"
+        status["signal"] = signal.Signals(-code).name
+    elif status.get("state") != "exited" or code != 0:
+        status["state"] = str(status.get("stop_reason") or "exited")
+    status.update(dead=True, exit_code=code, in_flight=0)
+    try:
+        write_status(path, status)
+    except OSError:  # the folder is gone (a test's tmp dir): nothing to mark
+        pass
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -43,11 +43,12 @@ from gwtf.protocol.base import CancelTimer, Log, Message, NodeId, Send, SetTimer
 from gwtf.protocol.faults import FaultWatch, Firing
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
-from gwtf.runtime import drive, keys
+from gwtf.runtime import drive, keys, statusrpc
 from gwtf.runtime.chaos import fault_from, kill_self
 from gwtf.runtime.clock import Outbox, TimerTable, WanModel
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, RecordLog, dumps, node_dir, write_status
 from gwtf.runtime.transport import SendFailed, Transport, parse_addr
+from gwtf.runtime.watch import NodeStats, progress_line, should_print_progress
 
 log = logging.getLogger("gwtf.node")
 
@@ -59,7 +60,6 @@ STOP_TEXT = {
     "partitioned": "no leader heard for protocol.partition_timeout_s (partitioned)",
     "compute_failed": "a compute job failed",
 }
-PROGRESS_PERIOD_S = 2.0  # at most one progress line per period (and one at the last step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +116,9 @@ class NodeRuntime:
         self.stop = asyncio.Event()
         self.exit_code = 0
         self.state = "starting"
-        self.stats: dict[str, Any] = {"iteration": None, "last_loss": None, "tokens_per_s": None,
-                                      "crashes_seen": 0, "joins_seen": 0, "microbatches": 0}
+        self.stats = NodeStats()
         self.stop_reason: str | None = None
         self._last_failure = ""
-        self._progress_s = 0.0
         self._status_due = 0.0
         self.host: drive.Host | None = None
 
@@ -140,6 +138,9 @@ class NodeRuntime:
         self.node_id = make_node_id(self.ident.name, transport.fingerprint, self.ident.region, addr)
         transport.node_id = self.node_id  # ids embed the bound port, known only after listen
         self.transport = transport
+        transport.on_status = statusrpc.StatusService(
+            self._status, self._peer_stages, addr_of, self._ask_status, self.cfg.runtime.connect_timeout_s * 2,
+        ).answer
         self.timers = TimerTable(loop, self._on_timer)
         self.outbox = Outbox(self._send_now, self._on_send_error, loop)
         try:
@@ -284,7 +285,7 @@ class NodeRuntime:
     def _stopped(self, reason: str) -> None:
         """The core stopped this node: choose the exit code and say why, in one line."""
         self.stop_reason = reason
-        last, total = self.stats.get("iteration"), self.cfg.train.iterations
+        last, total = self.stats.iteration, self.cfg.train.iterations
         finished = reason == "partitioned" and isinstance(last, int) and total > 0 and last >= total - 1
         if finished:  # only the leader hears training_done; the others outlive it, then stop
             self.exit_code = 0
@@ -398,36 +399,31 @@ class NodeRuntime:
             self._write_status()
 
     def _track_stats(self, event: RecordName, fields: dict[str, Any]) -> None:
-        if event == RecordName.LOSS:
-            self.stats["last_loss"] = fields.get("loss")
-        elif event == RecordName.STEP:
-            self.stats["iteration"] = fields.get("iteration")
-            self.stats["tokens_per_s"] = fields.get("tokens_per_s", self.stats["tokens_per_s"])
-            if self.state == "joining":
-                self.state = "active"
-            self._progress()
-        elif event == RecordName.CONTRIBUTE:
-            self.stats["microbatches"] += 1
-        elif event in drive.CRASH_EVENTS:
-            self.stats["crashes_seen"] += 1
-        elif event in drive.JOIN_EVENTS:
-            self.stats["joins_seen"] += 1
-        elif event in drive.ACTIVE_EVENTS:
+        stepped = self.stats.absorb(event, fields)
+        if event in drive.ACTIVE_EVENTS or (event == RecordName.STEP and self.state == "joining"):
             self.state = "active"
+        if stepped:
+            self._progress()
 
     def _progress(self) -> None:
-        """One stdout line per PROGRESS_PERIOD_S (and at the last iteration): where training is."""
-        it, total = self.stats.get("iteration"), self.cfg.train.iterations
-        last = isinstance(it, int) and total > 0 and it >= total - 1
-        if time.monotonic() - self._progress_s < PROGRESS_PERIOD_S and not last:
+        """A stdout line every `runtime.progress_every` iterations (and the first and last)."""
+        it = self.stats.iteration
+        if it is None or not should_print_progress(it, self.cfg.train.iterations, self.cfg.runtime.progress_every):
             return
-        self._progress_s = time.monotonic()
-        loss = self.stats.get("last_loss")
         members = len(getattr(self.host.core, "directory", {})) if self.host is not None else 0
-        step = f"{it + 1}/{total}" if isinstance(it, int) else "-"
-        print(f"progress: {self.ident.name} stage {self.host.stage if self.host else '-'} iteration {step} "
-              f"loss {f'{loss:.4f}' if isinstance(loss, float) else '-'} members {members} "
-              f"microbatches {self.stats['microbatches']} state {self.state}", flush=True)
+        print(progress_line(self.ident.name, self.host.stage if self.host else None, self.stats,
+                            self.cfg.train.iterations, members, self.state), flush=True)
+
+    def _peer_stages(self) -> dict[NodeId, int]:
+        """The members this node knows (the status RPC's fan-out), with their stages."""
+        directory = getattr(self.host.core, "directory", {}) if self.host is not None else {}
+        return {pid: info.stage for pid, info in directory.items() if pid != self.node_id}
+
+    async def _ask_status(self, addr: str, msg: statusrpc.StatusRequest, timeout_s: float) -> statusrpc.StatusReply | None:
+        try:
+            return await self.transport.request(addr, msg, timeout_s)
+        except SendFailed:
+            return None
 
     def _check_stall(self) -> None:
         """The status timer fired late: the event loop was blocked (heartbeats were late too)."""
@@ -445,15 +441,19 @@ class NodeRuntime:
             self.timers.set(("runtime", "status"), self._status_due)
 
     def _write_status(self) -> None:
+        write_status(self.dir / STATUS_FILE, self._status())
+
+    def _status(self) -> dict[str, Any]:
         host = self.host
-        write_status(self.dir / STATUS_FILE, {
+        return {
             "node": self.node_id, "name": self.ident.name, "role": self.ident.role,
             "stage": host.stage if host else self.ident.stage, "region": self.ident.region, "state": self.state,
-            "in_flight": host.in_flight() if host else 0, "pid": os.getpid(), **self.stats,
+            "in_flight": host.in_flight() if host else 0, "pid": os.getpid(), **self.stats.as_status(),
+            "iterations": self.cfg.train.iterations, "stages": self.cfg.model.stages,
             "compute_s": host.core.me.compute_s if host else None,  # advertised (measured once warm)
             "stop_reason": self.stop_reason,
             "time_s": round(time.monotonic() - self.started_s, 3),
-        })
+        }
 
     def _fire(self, firings: list[Firing]) -> None:
         """Carry out the faults that fire (`runtime.chaos`): flip the next tensor frame, or SIGKILL."""

@@ -10,8 +10,9 @@ Owns the files under `DIR/nodes/<name>/`:
   and `me` (the writing node's id; a record's own `node` field is the core's and is kept).
 - `stdout.log`: everything the node printed (the launcher reads the READY line from it).
 And `render_table`, the rich table of all nodes (node, stage, region, state, microbatches in
-flight, microbatches contributed, last loss, tokens/s, crashes/joins), with a caption line
-"stalled: stage K has no node" for every stage without a live active node (`stalled_stages`).
+flight, microbatches served, last loss, tokens/s, seconds of its last iteration), with a caption
+line "stalled: stage K has no node" for every stage without a live active node
+(`stalled_stages`); the swarm-wide header above it is `runtime.watch`'s.
 
 Must not import torch or asyncio.
 """
@@ -150,8 +151,8 @@ def render_table(rows: Iterable[Mapping[str, Any]], title: str = "", stalled: It
     table = Table(title=title or None, expand=False, caption=caption or None, caption_style="bold red")
     for col, justify in (
         ("node", "left"), ("role", "left"), ("stage", "right"), ("region", "left"), ("state", "left"),
-        ("iter", "right"), ("in flight", "right"), ("microbatches", "right"), ("last loss", "right"),
-        ("tokens/s", "right"), ("crashes/joins", "right"),
+        ("iter", "right"), ("in flight", "right"), ("served", "right"), ("last loss", "right"),
+        ("tokens/s", "right"), ("s/iter", "right"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for row in rows:
@@ -169,6 +170,6 @@ def render_table(rows: Iterable[Mapping[str, Any]], title: str = "", stalled: It
             _fmt(row.get("microbatches"), "d"),
             _fmt(row.get("last_loss"), ".4f"),
             _fmt(row.get("tokens_per_s"), ".0f"),
-            f"{row.get('crashes_seen', 0)}/{row.get('joins_seen', 0)}",
+            _fmt(row.get("iteration_s"), ".2f"),
         )
     return table

@@ -3,7 +3,11 @@
 Owns: the initial node plan (data holders with their shards, R replicas of every relay stage),
 the seeded churn schedule (`--churn low|high`: kill -9 of relays at random moments, joiners
 started through a random live peer), the metrics of the whole swarm (`DIR/metrics.jsonl`, same
-fields as `gwtf train --local` plus crashes, joins, microbatches_redone, microbatches_dropped),
+fields as `gwtf train --local` (loss, tokens, tokens_per_s, lr, grad_norms: one pre-clip norm per
+stage, val_loss every `train.eval_every` iterations and at the last, from the checkpoints:
+`runtime.validation`) plus crashes, joins, microbatches_redone (redo records: in flight and at
+aggregation), microbatches_rerouted (forwards resent to another replica after a crash) and
+microbatches_dropped),
 `DIR/loss.png` and the live rich table (with the microbatches each node contributed and a line
 per stage left without an active node). Processes are owned by a `ProcessGroup`, so every one is
 killed on exit, error or Ctrl+C.
@@ -34,10 +38,15 @@ from gwtf.config import Config
 from gwtf.protocol.kinds import RecordName
 from gwtf.runtime.audit import audit_ledger, dropped_by
 from gwtf.runtime.checkpoints import CHECKPOINTS_DIR, resume_version
-from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup
+from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup, mark_dead
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status, stalled_stages
 
 REDONE_EVENTS = frozenset({RecordName.REDO})  # the core's record of one redo (in flight or at aggregation)
+REROUTED_EVENTS = frozenset({RecordName.REROUTE})  # a forward resent to another replica (the first one died)
+EVAL_WAIT_S = 30.0  # an evaluated iteration's row waits this long at most for every stage's checkpoint
+
+Validation = Callable[[int], float | None]
+"""The validation loss of a checkpoint version (`runtime.validation.CheckpointValidation`)."""
 DROPPED_EVENTS = frozenset({RecordName.DH_LOST})  # leader: a data holder died; `started` microbatches dropped
 
 
@@ -96,18 +105,30 @@ class _Iteration:
     tokens: dict[tuple[str, int], int] = field(default_factory=dict)
     stepped: set[str] = field(default_factory=set)
     redone: int = 0
+    rerouted: int = 0
     dropped: int = 0
     unix_s: float = 0.0  # wall clock of the last data holder's step record
+    lr: float | None = None
+    grad_norms: dict[int, float] = field(default_factory=dict)  # stage -> pre-clip norm (replicas agree)
+    waiting_since: float | None = None  # monotonic: when its row waited for checkpoints first
 
 
 class SwarmMetrics:
     """Reads every node's records.jsonl incrementally and emits one row per completed iteration."""
 
     def __init__(self, out_dir: Path, microbatches: int = 0, first: int = 0,
-                 prior: list[dict[str, Any]] | None = None) -> None:
+                 prior: list[dict[str, Any]] | None = None, validation: Validation | None = None,
+                 eval_every: int = 0, iterations: int = 0, stages: int = 0) -> None:
         """`first`: the first iteration these nodes train (a resumed run's checkpoint version);
-        `prior`: the rows of earlier iterations kept from a previous attempt (metrics continue)."""
+        `prior`: the rows of earlier iterations kept from a previous attempt (metrics continue);
+        `validation(version)`: the validation loss of a checkpoint version (None: no val_loss),
+        asked every `eval_every` iterations and at iteration `iterations` - 1, once every one of
+        the `stages` has logged its step (its checkpoint is written by then)."""
         self.out_dir = out_dir
+        self.validation = validation
+        self.eval_every = eval_every
+        self.iterations = iterations
+        self.stages = stages
         self.microbatches = microbatches
         self._tails: dict[str, JsonlTail] = {}
         self._its: dict[int, _Iteration] = {}
@@ -145,8 +166,14 @@ class SwarmMetrics:
                 slot.stepped.add(p.name)
                 slot.unix_s = max(slot.unix_s, float(row.get("unix_s", 0.0)))
             self.hashes.setdefault((it, int(row["stage"])), {})[p.name] = str(row["hash"])
+            if isinstance(row.get("lr"), (int, float)):
+                slot.lr = float(row["lr"])
+            if isinstance(row.get("grad_norm"), (int, float)):
+                slot.grad_norms[int(row["stage"])] = float(row["grad_norm"])
         elif event in REDONE_EVENTS:
             slot.redone += 1
+        elif event in REROUTED_EVENTS:
+            slot.rerouted += 1
         elif event in DROPPED_EVENTS:
             slot.dropped += dropped_by(row, self.microbatches)
 
@@ -157,7 +184,7 @@ class SwarmMetrics:
             it = self.next_iteration
             slot = self._its.get(it)
             live_dh = {p.name for p in procs if p.plan.role == "data-holder" and p.alive()}
-            if slot is None or not slot.stepped or not live_dh <= slot.stepped:
+            if slot is None or not slot.stepped or not live_dh <= slot.stepped or self._waits(it, slot):
                 return new
             now = self._time0 + ((slot.unix_s - self.unix_start_s) if slot.unix_s and self.unix_start_s
                                  else time.monotonic() - started_s)
@@ -169,12 +196,31 @@ class SwarmMetrics:
                 "tokens_per_s": round(tokens / max(1e-3, now - prev_t), 1),
                 "microbatches": len(slot.losses), "crashes": crashes, "joins": joins,
                 "microbatches_redone": slot.redone, "microbatches_dropped": slot.dropped,
+                "microbatches_rerouted": slot.rerouted, "lr": slot.lr,
+                "grad_norms": [round(slot.grad_norms[k], 6) if k in slot.grad_norms else None
+                               for k in range(self.stages or 1 + max(slot.grad_norms, default=0))],
             }
+            if self._evaluated(it):
+                row["val_loss"] = self.validation(it + 1) if self.validation is not None else None
             self.rows.append(row)
             self.next_iteration += 1
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
             new.append(row)
+
+    def _evaluated(self, it: int) -> bool:
+        """Iteration `it` gets a val_loss (train --local's cadence: every eval_every, and the last)."""
+        done = it + 1
+        return self.validation is not None and (
+            done == self.iterations or (self.eval_every > 0 and done % self.eval_every == 0))
+
+    def _waits(self, it: int, slot: _Iteration) -> bool:
+        """An evaluated iteration's row waits (bounded, EVAL_WAIT_S) until every stage stepped."""
+        if not self._evaluated(it) or all((it, k) in self.hashes for k in range(self.stages)):
+            return False
+        if slot.waiting_since is None:
+            slot.waiting_since = time.monotonic()
+        return time.monotonic() - slot.waiting_since < EVAL_WAIT_S
 
     @property
     def closed(self) -> bool:
@@ -242,7 +288,8 @@ class _ResumeGroup(ProcessGroup):
 class Swarm:
     """One local swarm run; use as a context manager so every process dies with it."""
 
-    def __init__(self, cfg: Config, opts: SwarmOptions, say: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: Config, opts: SwarmOptions, say: Callable[[str], None] = print,
+                 validation: Validation | None = None) -> None:
         self.cfg = cfg
         self.opts = opts
         self.say = say
@@ -252,7 +299,8 @@ class Swarm:
         overrides = (*opts.overrides, f"runtime.start_members={members}")
         group = _ResumeGroup if opts.resume else ProcessGroup
         self.group = group(opts.out_dir, opts.config_path, overrides, secret_file=cfg.runtime.secret_file or None)
-        self.metrics = SwarmMetrics(opts.out_dir, cfg.train.microbatches, self.first, prior)
+        self.metrics = SwarmMetrics(opts.out_dir, cfg.train.microbatches, self.first, prior, validation,
+                                    cfg.train.eval_every, cfg.train.iterations, cfg.model.stages)
         self.rng = random.Random(cfg.train.seed + 7919)
         self.crashes = 0
         self.joiners: list[str] = []  # names of the joiners started, in order
@@ -353,6 +401,7 @@ class Swarm:
                     self.say(f"joiner {p.name} failed: {exc}")
             elif p.state == "ready" and not p.alive() and p.name not in self._reported_exits:
                 self._reported_exits.add(p.name)
+                mark_dead(p)
                 code = p.popen.returncode
                 reason = (read_status(p.dir / STATUS_FILE) or {}).get("stop_reason") or "no reason recorded"
                 if code < 0:

@@ -14,7 +14,8 @@ Each connection is an asyncio `BufferedProtocol`: ciphertext is received into th
 buffer and a record inside a tensor body is decrypted straight into the decoder's final numpy
 buffer (docs/wire.md). Connections are one-way for requests: a node sends on the connections it
 opened and receives on the ones it accepted (simple, and no races between two simultaneous
-connects); the only frames going back are the acks of chunked transfers.
+connects); the only frames going back are the acks of chunked transfers and the replies of
+the status RPC (`runtime.statusrpc`: `on_status` answers requests, `request` awaits a reply).
 
 A message whose body is larger than `runtime.chunk_bytes` travels as a chunked transfer
 (`runtime.chunks`): the receiver writes the chunks into one preallocated buffer and hands the
@@ -31,7 +32,7 @@ import asyncio
 import logging
 import secrets
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -51,10 +52,12 @@ from gwtf.runtime.chunks import (
     crc_of,
 )
 from gwtf.runtime.codec import Decoder, Limits, WireError, encode, encode_parts, frame_buffers
+from gwtf.runtime.statusrpc import STATUS_TYPES, StatusReply, StatusRequest
 
 log = logging.getLogger(__name__)
 
 OnFrame = Callable[[NodeId, Message, list[np.ndarray]], None]
+OnStatus = Callable[[StatusRequest], Awaitable[StatusReply]]
 
 
 class SendFailed(Exception):
@@ -381,7 +384,9 @@ class Transport:
         self.limits = Limits(max_frame_bytes=self.cfg.max_frame_bytes)
         self.registry: Mapping[str, type[Message]] = MESSAGE_TYPES if registry is None else registry
         self.wire_registry: Mapping[str, type[Message]] = ChainMap(
-            CHUNK_TYPES, cast(MutableMapping[str, type[Message]], self.registry))  # live: not a snapshot
+            CHUNK_TYPES, STATUS_TYPES, cast(MutableMapping[str, type[Message]], self.registry))  # live: not a snapshot
+        self.on_status: OnStatus | None = None  # answers `statusrpc` requests (None: refused)
+        self._replies: dict[int, asyncio.Future[StatusReply]] = {}  # request id -> its pending reply
         self.chunk_bytes = min(self.cfg.chunk_bytes, self.cfg.max_frame_bytes // 2)
         keep_s = 2 * self.cfg.request_timeout_s + self.cfg.connect_timeout_s
         self.reassembler = Reassembler(self.registry, self.cfg.max_frame_bytes, self.cfg.max_transfer_bytes,
@@ -472,6 +477,42 @@ class Transport:
             raise SendFailed(addr, "timeout") from None
         except (OSError, ValueError) as exc:  # ConnectionError is an OSError; ValueError: bad addr
             raise SendFailed(addr, str(exc) or type(exc).__name__) from None
+
+    async def request(self, addr: str, msg: StatusRequest, timeout_s: float | None = None) -> StatusReply:
+        """Send a status request to `addr` and await its reply on the same connection.
+
+        Raises:
+            SendFailed: unreachable, handshake refused, or no reply within `timeout_s`.
+        """
+        fut: asyncio.Future[StatusReply] = asyncio.get_running_loop().create_future()
+        self._replies[msg.req] = fut
+        timeout_s = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
+        try:
+            await self.send(addr, msg, timeout_s=timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await fut
+        except TimeoutError:
+            raise SendFailed(addr, "no status reply") from None
+        finally:
+            self._replies.pop(msg.req, None)
+
+    def _answer_status(self, conn: _Connection, msg: StatusRequest) -> None:
+        handler = self.on_status
+        if handler is None:
+            conn.reply(StatusReply(req=msg.req, rows=(), error="this peer answers no status requests"))
+            return
+
+        async def answer() -> None:
+            try:
+                reply = await handler(msg)
+            except Exception:  # a handler bug must not go unseen; the asker gets an error, not silence
+                log.exception("status request from node %s failed", conn.peer_id)
+                reply = StatusReply(req=msg.req, rows=(), error="internal error")
+            conn.reply(reply)
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def connect(self, addr: str, timeout_s: float | None = None) -> NodeId:
         """Open (or reuse) the authenticated connection to `addr`; return the peer's node id.
@@ -714,6 +755,12 @@ class Transport:
                 conn.reply(ack)
         elif isinstance(msg, ChunkAck):
             self._on_ack(conn, msg)
+        elif isinstance(msg, StatusRequest):
+            self._answer_status(conn, msg)
+        elif isinstance(msg, StatusReply):
+            fut = self._replies.get(msg.req)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         else:
             self._deliver(conn.peer_id, msg, tensors)
 

@@ -82,6 +82,7 @@ class StageWorker:
         self.store: dict[TensorKey, Tensor] = {}
         self._saved: dict[Hashable, _Saved] = {}
         self.microbatches_accumulated = 0
+        self.last_grad_norm: float | None = None  # pre-clip norm of the last step's gradient
 
     # -- tensor store -------------------------------------------------------------------------
 
@@ -210,7 +211,7 @@ class StageWorker:
         reason = check_finite([tensor_to_numpy(flat)])
         if reason is not None:
             raise GradientRejected(f"reduced gradient: {reason}")
-        self.optimizer.step(iteration, self.unflatten(flat))
+        self.last_grad_norm = float(self.optimizer.step(iteration, self.unflatten(flat)))
         self.microbatches_accumulated = 0
         return self.weights_hash()
 
