@@ -85,10 +85,18 @@ class TrainConfig:
     eval_microbatches: int = 4  # fixed validation microbatches per evaluation
 
     def __post_init__(self) -> None:
+        _require(self.seed >= 0, "train.seed", "must be >= 0")
         _require(self.data_holders >= 1, "train.data_holders", "must be >= 1")
         _require(self.microbatches >= 1, "train.microbatches", "must be >= 1")
         _require(self.iterations >= 0, "train.iterations", "must be >= 0")
         _require(self.lr > 0, "train.lr", "must be > 0")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", "must be in [0, train.lr]")
+        _require(self.warmup_iterations >= 0, "train.warmup_iterations", "must be >= 0")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _require(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)")
+        _require(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)")
+        _require(self.torch_threads >= 0, "train.torch_threads", "must be >= 0")
+        _require(self.time_limit_s >= 0, "train.time_limit_s", "must be >= 0 (0: no limit)")
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0")
@@ -130,6 +138,7 @@ class RuntimeConfig:
         _require(self.chunk_bytes >= 4096, "runtime.chunk_bytes", "must be >= 4096")
         _require(self.max_transfer_bytes >= self.chunk_bytes, "runtime.max_transfer_bytes", "must be >= runtime.chunk_bytes")
         _require(self.transfer_retries >= 0, "runtime.transfer_retries", "must be >= 0")
+        _require(self.start_members >= 0, "runtime.start_members", "must be >= 0")
         _require(1.0 <= self.compute_slowdown <= 1000.0, "runtime.compute_slowdown", "must be in [1, 1000]")
 
 
@@ -167,7 +176,12 @@ class FlowConfig:
         _require(0.0 <= self.anneal_probability <= 1.0, "flow.anneal_probability", "must be in [0, 1]")
         _require(self.anneal_t0_s >= 0, "flow.anneal_t0_s", "must be >= 0")
         _require(0.0 < self.anneal_cooling <= 1.0, "flow.anneal_cooling", "must be in (0, 1]")
+        _require(self.anneal_min_t_s >= 0, "flow.anneal_min_t_s", "must be >= 0")
+        _require(0.0 <= self.anneal_reheat <= 1.0, "flow.anneal_reheat", "must be in [0, 1]")
+        _require(self.anneal_tournament >= 1, "flow.anneal_tournament", "must be >= 1")
         _require(self.cooldown_ticks >= 0, "flow.cooldown_ticks", "must be >= 0")
+        _require(self.stable_s >= 0, "flow.stable_s", "must be >= 0")
+        _require(self.tombstone_s >= 0, "flow.tombstone_s", "must be >= 0")
         _require(self.check_every_ticks >= 1, "flow.check_every_ticks", "must be >= 1")
 
 
@@ -295,6 +309,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config: {key} must be a float, got {value!r}")
+        if value != value:  # NaN means nothing for any key (and slips through checks like `not x < 0`)
+            raise UserError(f"config: {key} must be a number, got nan")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from gwtf.cli import add_config_arguments, add_secret_argument, apply_secret_file
+from gwtf.cli import add_config_arguments, add_secret_argument, apply_secret_file, non_negative_s
 from gwtf.config import Config, load_config, write_resolved
 from gwtf.errors import UserError
 
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make one initial node's compute FACTOR (>= 1) times slower, e.g. r1a=4 "
                              "(runtime.compute_slowdown for that node only; repeatable)")
     parser.add_argument("--timeout-s", type=float, default=0.0, metavar="S",
-                        help="give up after S seconds (default: 120 + 30 per iteration)")
+                        help="give up after S seconds (default, or 0: 120 + 30 per iteration)")
     add_secret_argument(parser)
     add_config_arguments(parser)
 
@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> tuple[Config, object]:
     from gwtf.runtime.swarm import SwarmOptions
 
+    non_negative_s(args.timeout_s, "--timeout-s")
     overrides = list(args.overrides)
     for flag, key in (("iterations", "train.iterations"), ("data_holders", "train.data_holders"),
                       ("stages", "model.stages")):
@@ -71,10 +72,17 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
     cfg: Config = apply_secret_file(load_config(args.config, overrides), args.secret_file, LOOPBACK)
     if args.replicas < 1:
         raise UserError("--replicas must be >= 1")
+    check_swarm_config(cfg)
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
     opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
                         regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume)
     return cfg, replace(opts, slowdowns=parse_slowdowns(args.slow, cfg, opts))
+
+
+def check_swarm_config(cfg: Config) -> None:
+    """What a config must hold for a swarm beyond its own checks."""
+    if cfg.train.iterations < 1:
+        raise UserError("config: train.iterations must be >= 1 for a swarm (0 would never end)")
 
 
 def parse_slowdowns(specs: list[str], cfg: Config, opts: object) -> dict[str, float]:

@@ -223,6 +223,28 @@ def synthetic_corpus(n_bytes: int, seed: int = 0) -> str:
     return "".join(parts)[:n_bytes]
 
 
+# control bytes no text file holds (tab, newline, vertical tab, form feed, CR and ESC are fine)
+_BINARY_BYTE = re.compile(rb"[\x00-\x08\x0e-\x1a\x1c-\x1f]")
+
+
+def read_text_file(path: Path) -> str:
+    """A user's data file as text; UserError naming the file and the byte offset if it is binary
+    (a NUL or other control byte) or not UTF-8, rather than training on its bytes."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read data file {path}: {exc.strerror}") from None
+    bad = _BINARY_BYTE.search(data)
+    if bad is not None:
+        raise UserError(f"data file {path} is binary, not text: byte 0x{data[bad.start()]:02x} at offset "
+                        f"{bad.start()}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"data file {path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
+                        f"{exc.start} (convert it, e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
 def _read_path(source: str) -> list[tuple[str, str]]:
     path = Path(source).expanduser()
     if not path.exists():
@@ -230,12 +252,7 @@ def _read_path(source: str) -> list[tuple[str, str]]:
     files = [path] if path.is_file() else sorted(path.glob("*.txt"))
     if not files:
         raise UserError(f"data path holds no *.txt files: {path}")
-    docs = []
-    for f in files:
-        try:
-            docs.append((f.name, f.read_text(encoding="utf-8", errors="replace")))
-        except OSError as exc:
-            raise UserError(f"cannot read data file {f}: {exc.strerror}") from None
+    docs = [(f.name, read_text_file(f)) for f in files]
     if not any(text for _, text in docs):
         raise UserError(f"data path holds only empty text: {path}")
     return docs

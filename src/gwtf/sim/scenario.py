@@ -45,6 +45,7 @@ class ModelSection:
         _req(self.stages >= 2, "model.stages", "must be >= 2")
         _req(self.seq_len >= 2, "model.seq_len", "must be >= 2")
         _req(self.microbatch_size >= 1, "model.microbatch_size", "must be >= 1")
+        _req(self.vocab_size >= 260, "model.vocab_size", "must be >= 260")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,6 +156,7 @@ class SimSection:
 
     def __post_init__(self) -> None:
         _req(0 <= self.compute_jitter < 1, "sim.compute_jitter", "must be in [0, 1)")
+        _req(self.control_bytes >= 0, "sim.control_bytes", "must be >= 0")
         _req(self.send_fail_delay_s > 0, "sim.send_fail_delay_s", "must be > 0")
         _req(self.checkpoint_bandwidth_bytes_per_s > 0, "sim.checkpoint_bandwidth_bytes_per_s", "must be > 0")
         _req(self.max_time_s > 0, "sim.max_time_s", "must be > 0")
