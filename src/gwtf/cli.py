@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "secret": "create a swarm secret file (gwtf secret new PATH)",
     "generate": "generate text from a trained checkpoint (local or swarm), streamed",
     "export": "export a trained checkpoint as a Hugging Face folder (GPT-2 or Llama)",
+    "config": "print the resolved config, or (--docs) the reference of every config key",
 }
 
 

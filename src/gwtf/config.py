@@ -33,11 +33,11 @@ class ModelConfig:
     """Which model to train and how it is cut into stages."""
 
     family: Literal["gpt", "llama"] = "gpt"  # gpt: learned pos, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA
-    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "tiny"
+    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "tiny"  # model size (model.presets: layers, width, heads)
     seq_len: int = 128  # tokens per sequence (context length)
     microbatch_size: int = 8  # sequences per microbatch
     stages: int = 3  # pipeline stages incl. stage 0 (embedding + head, on data holders)
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout probability in the transformer blocks
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 2, "model.seq_len", "must be >= 2")
@@ -51,10 +51,10 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "shakespeare"  # "shakespeare", "synthetic", or a path to a text file / folder
-    tokenizer: Literal["bpe", "byte"] = "bpe"
+    tokenizer: Literal["bpe", "byte"] = "bpe"  # bpe: byte-level BPE trained on the corpus; byte: 256 bytes + specials
     vocab_size: int = 2048  # BPE vocabulary size (byte tokenizer: fixed 256 + specials)
     cache_dir: str = ""  # "" = $GWTF_CACHE or ~/.cache/gwtf
-    val_fraction: float = 0.02
+    val_fraction: float = 0.02  # share of the corpus' tokens held out for validation
     synthetic_bytes: int = 400_000  # size of the generated synthetic corpus
 
     def __post_init__(self) -> None:
@@ -67,17 +67,17 @@ class DataConfig:
 class TrainConfig:
     """Iteration semantics (DESIGN.md section 3) and the optimizer."""
 
-    seed: int = 0
+    seed: int = 0  # seed of initialisation, data order and every seeded choice
     data_holders: int = 2  # D: each owns a disjoint data shard
     microbatches: int = 4  # M: microbatches per data holder per iteration
-    iterations: int = 200
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_iterations: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    iterations: int = 200  # K: iterations (optimizer steps) to train
+    lr: float = 1e-3  # peak learning rate (AdamW), after warmup; cosine decay to min_lr
+    min_lr: float = 1e-4  # learning rate at the last iteration (cosine floor)
+    warmup_iterations: int = 10  # iterations of linear learning-rate warmup
+    weight_decay: float = 0.1  # AdamW weight decay (decoupled)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
     torch_threads: int = 0  # 0 = torch default
     checkpoint_every: int = 50  # iterations; 0 = only at the end
     time_limit_s: float = 0.0  # stop after this much wall time; 0 = no limit

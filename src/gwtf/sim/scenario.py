@@ -34,12 +34,12 @@ def _req(ok: bool, key: str, why: str) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSection:
-    family: Literal["gpt", "llama"] = "gpt"
-    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "124m"
-    seq_len: int = 1024
-    microbatch_size: int = 8
-    stages: int = 4
-    vocab_size: int = 2048
+    family: Literal["gpt", "llama"] = "gpt"  # model family (as model.family of the run config)
+    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "124m"  # model size whose compute and tensor sizes are simulated
+    seq_len: int = 1024  # tokens per sequence
+    microbatch_size: int = 8  # sequences per microbatch
+    stages: int = 4  # pipeline stages incl. stage 0 (data holders)
+    vocab_size: int = 2048  # vocabulary size (embedding and head sizes)
 
     def __post_init__(self) -> None:
         _req(self.stages >= 2, "model.stages", "must be >= 2")
@@ -50,9 +50,9 @@ class ModelSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodesSection:
-    count: int = 16
-    data_holders: int = 4
-    network: str = "geo10"
+    count: int = 16  # nodes in total (data holders + relays)
+    data_holders: int = 4  # data holders (stage 0)
+    network: str = "geo10"  # region table of latencies and bandwidths (gwtf/resources/NAME.toml)
     demand_per_dh: int = 0  # microbatches per data holder per iteration; 0 = train.microbatches
     relay_capacity: tuple[int, ...] = ()  # (lo, hi): uniform draw; () = memory model
     jitter_fraction: float = 0.0  # per-link noise on the network table
@@ -86,7 +86,7 @@ class NodesSection:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainSection:
     microbatches: int = 4  # M per data holder per iteration
-    iterations: int = 10
+    iterations: int = 10  # K: iterations to simulate
 
     def __post_init__(self) -> None:
         _req(self.microbatches >= 1, "train.microbatches", "must be >= 1")
@@ -109,9 +109,9 @@ class ChurnSection:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinksSection:
     events_per_hour: float = 0.0  # swarm-wide link instability windows
-    duration_s: float = 60.0
-    latency_factor: float = 3.0
-    bandwidth_divisor: float = 4.0
+    duration_s: float = 60.0  # length of one instability window
+    latency_factor: float = 3.0  # an unstable link's latency is multiplied by this
+    bandwidth_divisor: float = 4.0  # an unstable link's bandwidth is divided by this
     cut_fraction: float = 0.2  # share of windows that cut the link entirely
 
     def __post_init__(self) -> None:
@@ -130,14 +130,14 @@ class Fault:
     named `after_event` (by `node` if given: "" = whichever node records it, crashing that one).
     """
 
-    event: Literal["crash", "leave", "join", "cut", "degrade", "crash_stage"]
-    time_s: float = 0.0
-    node: str = ""
+    event: Literal["crash", "leave", "join", "cut", "degrade", "crash_stage"]  # what happens (see the class docstring)
+    time_s: float = 0.0  # virtual time of the fault (unless after_event is set)
+    node: str = ""  # the node it hits ("" = chosen by the trigger)
     peer: str = ""  # cut / degrade: the other end of the link
     stage: int = -1  # crash_stage: every replica of this stage
-    after_event: str = ""
-    count: int = 1
-    duration_s: float = 30.0
+    after_event: str = ""  # trigger: right after the count-th record of this name ("" = at time_s)
+    count: int = 1  # which occurrence of after_event triggers the fault
+    duration_s: float = 30.0  # cut / degrade: how long the link stays cut or degraded
 
     def __post_init__(self) -> None:
         _req(self.time_s >= 0, "faults.time_s", "must be >= 0")
@@ -150,7 +150,7 @@ class SimSection:
     compute_jitter: float = 0.05  # +- share of every compute duration (seeded)
     control_bytes: int = CONTROL_BYTES  # header bytes of every message (the runtime's WAN emulation: the same)
     send_fail_delay_s: float = 1.0  # a send to a dead node / over a cut link fails after this
-    checkpoint_bandwidth_bytes_per_s: float = 100e6
+    checkpoint_bandwidth_bytes_per_s: float = 100e6  # speed of writing / fetching a stage checkpoint
     max_time_s: float = 86400.0  # stop the simulation at this virtual time
     progress_bound_s: float = 3600.0  # invariant: an iteration completes at least this often
 
@@ -165,8 +165,8 @@ class SimSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScenarioConfig:
-    name: str = "scenario"
-    description: str = ""
+    name: str = "scenario"  # scenario name (output folder runs/sim-NAME-sSEED)
+    description: str = ""  # free text shown nowhere but the file
     model: ModelSection = field(default_factory=ModelSection)
     nodes: NodesSection = field(default_factory=NodesSection)
     train: TrainSection = field(default_factory=TrainSection)
