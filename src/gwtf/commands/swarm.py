@@ -16,16 +16,19 @@ import argparse
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gwtf.cli import add_config_arguments, add_secret_argument, apply_secret_file, non_negative_s
 from gwtf.config import Config, load_config, write_resolved
 from gwtf.errors import UserError
+
+if TYPE_CHECKING:
+    from gwtf.runtime.swarm import SwarmOptions
 
 __all__ = ["add_arguments", "run", "run_swarm"]
 
@@ -181,6 +184,7 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
 
     assert isinstance(opts, SwarmOptions)
     console = Console(stderr=True)
+    cfg, opts = _resolve_data(cfg, opts, lambda text: console.print(f"{title}: {text}", markup=False))
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, opts.out_dir)
     deadline = time.monotonic() + opts.timeout_s
@@ -233,6 +237,18 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
           f"joins {swarm.joins} (joiners that served, of {len(swarm.joiners)} started); outputs in {opts.out_dir} "
           "(metrics.jsonl, loss.png, nodes/)")
     return 0
+
+
+def _resolve_data(cfg: Config, opts: SwarmOptions, say: Callable[[str], None]) -> tuple[Config, SwarmOptions]:
+    """The data source decided once, here, before any node starts (an offline Shakespeare
+    becomes "synthetic", announced on this console): every data holder gets it as an override
+    and the resolved config records it."""
+    from gwtf.model.data import resolve_source
+
+    data = resolve_source(cfg.data, say)
+    if data == cfg.data:
+        return cfg, opts
+    return replace(cfg, data=data), replace(opts, overrides=(*opts.overrides, f'data.source="{data.source}"'))
 
 
 def _stall_lines(now: list[int], before: list[int], console: Any) -> list[int]:

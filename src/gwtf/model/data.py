@@ -9,6 +9,7 @@ function of (seed, d, t, m). Imports torch only to hand out tensors; no global R
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "prepare_shakespeare",
     "read_shakespeare_cache",
     "resolve_cache_dir",
+    "resolve_source",
     "synthetic_corpus",
 ]
 
@@ -275,13 +277,27 @@ def load_corpus(data_cfg: DataConfig, say: Say = _say_stderr) -> Corpus:
             try:
                 prepare_shakespeare(cache)
             except (DownloadError, OSError) as exc:
-                say(f"warning: cannot get Shakespeare ({exc}); using the synthetic corpus instead")
+                say(f"warning: cannot get Shakespeare ({exc}); this run uses the synthetic corpus instead "
+                    '(data.source = "synthetic")')
                 return _synthetic(data_cfg, cache)
             docs = read_shakespeare_cache(corpus_dir)
             if docs is None:
                 raise UserError(f"Shakespeare cache unreadable after preparing it: {corpus_dir}")
         return Corpus(name="shakespeare", docs=docs, cache_dir=corpus_dir)
     return Corpus(name=data_cfg.source, docs=_read_path(data_cfg.source), cache_dir=cache / "files")
+
+
+def resolve_source(data_cfg: DataConfig, say: Say = _say_stderr) -> DataConfig:
+    """`data_cfg` with the source the run really uses, decided once by whoever starts the run
+    (trainer, swarm launcher) so that every data holder and the resolved config agree: Shakespeare
+    is prepared into the cache now and, when that fails (offline), replaced by "synthetic" (said
+    in one line through `say`); a file or folder is read and checked (UserError if unusable)."""
+    if data_cfg.source == "shakespeare":
+        if load_corpus(data_cfg, say).name == "synthetic":
+            return dataclasses.replace(data_cfg, source="synthetic")
+    elif data_cfg.source != "synthetic":
+        _read_path(data_cfg.source)
+    return data_cfg
 
 
 def _synthetic(data_cfg: DataConfig, cache: Path) -> Corpus:
