@@ -184,7 +184,7 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
 
     assert isinstance(opts, SwarmOptions)
     console = Console(stderr=True)
-    cfg, opts = _resolve_data(cfg, opts, lambda text: console.print(f"{title}: {text}", markup=False))
+    cfg, opts = _resolve_data(cfg, opts, lambda text: console.print(f"{title}: {text}", markup=False, soft_wrap=True))
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, opts.out_dir)
     deadline = time.monotonic() + opts.timeout_s
