@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "secret": "create a swarm secret file (gwtf secret new PATH)",
     "generate": "generate text from a trained checkpoint (local or swarm), streamed",
     "export": "export a trained checkpoint as a Hugging Face folder (GPT-2 or Llama)",
+    "config": "print the resolved config, or (--docs) the reference of every config key",
 }
 
 
@@ -119,6 +121,26 @@ def apply_secret_file(cfg: Config, secret_file: str | None, hosts: Iterable[str]
         cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, secret_file=path))
     keys.load_secret(cfg.runtime.secret_file or None, hosts=list(hosts))
     return cfg
+
+
+def out_folder(text: str, flag: str = "--out") -> Path:
+    """The output folder `text`, created if missing; UserError (one line) if it is an existing
+    file or cannot be created."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {text} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag} {text}: cannot create the folder: {exc.strerror}") from None
+    return path
+
+
+def non_negative_s(value: float, flag: str) -> float:
+    """A duration flag in seconds: finite and >= 0 (UserError naming the flag otherwise)."""
+    if not math.isfinite(value) or value < 0:
+        raise UserError(f"{flag} must be a finite number of seconds >= 0, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

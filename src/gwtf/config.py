@@ -33,11 +33,11 @@ class ModelConfig:
     """Which model to train and how it is cut into stages."""
 
     family: Literal["gpt", "llama"] = "gpt"  # gpt: learned pos, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA
-    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "tiny"
+    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "tiny"  # model size (model.presets: layers, width, heads)
     seq_len: int = 128  # tokens per sequence (context length)
     microbatch_size: int = 8  # sequences per microbatch
     stages: int = 3  # pipeline stages incl. stage 0 (embedding + head, on data holders)
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout probability in the transformer blocks
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 2, "model.seq_len", "must be >= 2")
@@ -51,10 +51,10 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "shakespeare"  # "shakespeare", "synthetic", or a path to a text file / folder
-    tokenizer: Literal["bpe", "byte"] = "bpe"
+    tokenizer: Literal["bpe", "byte"] = "bpe"  # bpe: byte-level BPE trained on the corpus; byte: 256 bytes + specials
     vocab_size: int = 2048  # BPE vocabulary size (byte tokenizer: fixed 256 + specials)
     cache_dir: str = ""  # "" = $GWTF_CACHE or ~/.cache/gwtf
-    val_fraction: float = 0.02
+    val_fraction: float = 0.02  # share of the corpus' tokens held out for validation
     synthetic_bytes: int = 400_000  # size of the generated synthetic corpus
 
     def __post_init__(self) -> None:
@@ -67,17 +67,17 @@ class DataConfig:
 class TrainConfig:
     """Iteration semantics (DESIGN.md section 3) and the optimizer."""
 
-    seed: int = 0
+    seed: int = 0  # seed of initialisation, data order and every seeded choice
     data_holders: int = 2  # D: each owns a disjoint data shard
     microbatches: int = 4  # M: microbatches per data holder per iteration
-    iterations: int = 200
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_iterations: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    iterations: int = 200  # K: iterations (optimizer steps) to train
+    lr: float = 1e-3  # peak learning rate (AdamW), after warmup; cosine decay to min_lr
+    min_lr: float = 1e-4  # learning rate at the last iteration (cosine floor)
+    warmup_iterations: int = 10  # iterations of linear learning-rate warmup
+    weight_decay: float = 0.1  # AdamW weight decay (decoupled)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
     torch_threads: int = 0  # 0 = torch default
     checkpoint_every: int = 50  # iterations; 0 = only at the end
     time_limit_s: float = 0.0  # stop after this much wall time; 0 = no limit
@@ -95,10 +95,18 @@ class TrainConfig:
     local_rounding: bool = False
 
     def __post_init__(self) -> None:
+        _require(self.seed >= 0, "train.seed", "must be >= 0")
         _require(self.data_holders >= 1, "train.data_holders", "must be >= 1")
         _require(self.microbatches >= 1, "train.microbatches", "must be >= 1")
         _require(self.iterations >= 0, "train.iterations", "must be >= 0")
         _require(self.lr > 0, "train.lr", "must be > 0")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", "must be in [0, train.lr]")
+        _require(self.warmup_iterations >= 0, "train.warmup_iterations", "must be >= 0")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _require(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)")
+        _require(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)")
+        _require(self.torch_threads >= 0, "train.torch_threads", "must be >= 0")
+        _require(self.time_limit_s >= 0, "train.time_limit_s", "must be >= 0 (0: no limit)")
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _require(self.eval_every >= 0, "train.eval_every", "must be >= 0")
@@ -163,6 +171,7 @@ class RuntimeConfig:
         _require(self.chunk_bytes >= 4096, "runtime.chunk_bytes", "must be >= 4096")
         _require(self.max_transfer_bytes >= self.chunk_bytes, "runtime.max_transfer_bytes", "must be >= runtime.chunk_bytes")
         _require(self.transfer_retries >= 0, "runtime.transfer_retries", "must be >= 0")
+        _require(self.start_members >= 0, "runtime.start_members", "must be >= 0")
         _require(1.0 <= self.compute_slowdown <= 1000.0, "runtime.compute_slowdown", "must be in [1, 1000]")
 
 
@@ -200,7 +209,12 @@ class FlowConfig:
         _require(0.0 <= self.anneal_probability <= 1.0, "flow.anneal_probability", "must be in [0, 1]")
         _require(self.anneal_t0_s >= 0, "flow.anneal_t0_s", "must be >= 0")
         _require(0.0 < self.anneal_cooling <= 1.0, "flow.anneal_cooling", "must be in (0, 1]")
+        _require(self.anneal_min_t_s >= 0, "flow.anneal_min_t_s", "must be >= 0")
+        _require(0.0 <= self.anneal_reheat <= 1.0, "flow.anneal_reheat", "must be in [0, 1]")
+        _require(self.anneal_tournament >= 1, "flow.anneal_tournament", "must be >= 1")
         _require(self.cooldown_ticks >= 0, "flow.cooldown_ticks", "must be >= 0")
+        _require(self.stable_s >= 0, "flow.stable_s", "must be >= 0")
+        _require(self.tombstone_s >= 0, "flow.tombstone_s", "must be >= 0")
         _require(self.check_every_ticks >= 1, "flow.check_every_ticks", "must be >= 1")
 
 
@@ -335,6 +349,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config: {key} must be a float, got {value!r}")
+        if value != value:  # NaN means nothing for any key (and slips through checks like `not x < 0`)
+            raise UserError(f"config: {key} must be a number, got nan")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -299,11 +299,9 @@ def test_butterfly_reduces_to_gathers_bits_and_the_reference(setup: Setup, tmp_p
     failures = []
     for seed in range(4):
         faults: list[Fault] = []
-        cfaults: list[ComputeFault] = []
         if seed:
-            faults, cfaults, _ = relay_crash_schedule(random.Random(f"butterfly:{seed}"), setup.built[0].by_stage,
+            faults, _ = relay_crash_schedule(random.Random(f"butterfly:{seed}"), setup.built[0].by_stage,
                                                       float(setup.no_churn.summary["training_time_s"]), 3, 2)
-        run = run_with_tensors(replace(sc, faults=tuple(faults)), seed, cfg, setup.dataset, built=setup.built,
-                               compute_faults=cfaults)
+        run = run_with_tensors(replace(sc, faults=tuple(faults)), seed, cfg, setup.dataset, built=setup.built)
         failures += [f"seed {seed}: {p}" for p in _problems(run, setup.reference, _initial(setup))]
     assert failures == [], "\n".join(failures)

@@ -14,6 +14,7 @@ other non-empty folder (an explicit `--out`, or runs/demo holding something else
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import tomllib
 from pathlib import Path
@@ -27,6 +28,7 @@ from gwtf.cli import (
     device_overrides,
 )
 from gwtf.config import Config, from_dict, load_config, merge_overrides
+from gwtf.errors import UserError
 
 __all__ = ["DEFAULT_OUT", "DEMO_TOML", "add_arguments", "run"]
 
@@ -78,16 +80,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--churn", choices=("none", "low", "high"), default="low",
                         help="low (default): one kill -9 and one joiner")
     parser.add_argument("--iterations", type=int, metavar="K", help="shorthand for --set train.iterations=K")
-    parser.add_argument("--timeout-s", type=float, default=900.0, metavar="S", help="give up after S seconds")
+    parser.add_argument("--timeout-s", type=float, default=900.0, metavar="S", help="give up after S seconds (default 900)")
     add_device_argument(parser)
     add_secret_argument(parser)
     add_config_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gwtf.commands.swarm import LOOPBACK, refuse_non_empty, run_swarm
+    from gwtf.commands.swarm import LOOPBACK, check_swarm_config, refuse_non_empty, run_swarm
     from gwtf.runtime.swarm import SwarmOptions
 
+    if not args.timeout_s > 0 or not math.isfinite(args.timeout_s):
+        raise UserError(f"--timeout-s must be a finite number of seconds > 0, got {args.timeout_s}")
     overrides = list(args.overrides) + device_overrides(args)
     if args.iterations is not None:
         overrides.append(f"train.iterations={args.iterations}")
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
                    from_dict(Config, merge_overrides(tomllib.loads(DEMO_TOML), overrides)))
     cfg = apply_secret_file(cfg, args.secret_file, LOOPBACK)
     check_device(cfg, args)
+    check_swarm_config(cfg)
     out = Path(args.out)
     resume = bool(getattr(args, "resume", False))
     if not resume and args.out == DEFAULT_OUT and (out / "demo.toml").is_file():

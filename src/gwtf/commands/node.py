@@ -21,6 +21,7 @@ from gwtf.cli import (
     apply_secret_file,
     check_device,
     device_overrides,
+    out_folder,
 )
 from gwtf.config import Config, load_config
 from gwtf.errors import UserError
@@ -34,10 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:0",
                         help="address to listen on (port 0 = any free port; default 127.0.0.1:0)")
     parser.add_argument("--join", metavar="HOST:PORT", help="any live node of the swarm (omit for the first node)")
-    parser.add_argument("--role", choices=("data-holder", "relay"), default="relay")
+    parser.add_argument("--role", choices=("data-holder", "relay"), default="relay",
+                        help="data-holder: stage 0 (embedding, head, loss) with a data shard; relay (default): "
+                             "a middle stage")
     parser.add_argument("--stage", default="auto", help="'auto' (joiners: the bottleneck stage) or a stage number")
     parser.add_argument("--region", default="local", help="region name (WAN emulation looks it up)")
-    parser.add_argument("--shard", type=int, metavar="K", help="data holders: data shard 0..D-1 (default: from --name)")
+    parser.add_argument("--shard", type=int, metavar="K",
+                        help="data holders: data shard 0..D-1 (default: the last number in --name, else 0)")
     parser.add_argument("--name", help="short node name (default: random); the node id adds region and address")
     parser.add_argument("--wan", metavar="NETWORK", help="shorthand for --set runtime.wan=NETWORK (e.g. geo10)")
     parser.add_argument("--out", metavar="DIR", default="runs/swarm", help="output folder (DIR/nodes/<name>/)")
@@ -67,6 +71,25 @@ def _hosts(listen: str, join: str | None) -> list[str]:
     return hosts
 
 
+def check_listen(listen: str) -> None:
+    """A port already in use, an address not of this machine or an unknown host name is a user
+    error found here, before torch is imported (the node's own bind reports the same if the
+    port is taken in between)."""
+    import socket
+
+    host, _, port = listen.rpartition(":")  # well-formed: `_hosts` checked it
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in infos:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the node's server does
+                sock.bind(addr)
+    except OSError as exc:
+        from gwtf.runtime.transport import listen_problem
+
+        raise UserError(f"--listen {listen}: {listen_problem(exc)}") from None
+
+
 def _stage(text: str) -> int | None:
     if text == "auto":
         return None
@@ -81,7 +104,11 @@ def run(args: argparse.Namespace) -> int:
     from gwtf.runtime.chaos import runtime_fault
 
     runtime_fault(cfg.runtime.fault)  # a malformed fault spec is a user error before anything starts
-    cfg = apply_secret_file(cfg, args.secret_file, _hosts(args.listen, args.join))
+    if cfg.train.iterations < 1:
+        raise UserError("config: train.iterations must be >= 1 for a node (0 would never end)")
+    hosts = _hosts(args.listen, args.join)
+    check_listen(args.listen)
+    cfg = apply_secret_file(cfg, args.secret_file, hosts)
     name = args.name or f"n{secrets.token_hex(3)}"
     if not _NAME.match(name):
         raise UserError(f"--name {name!r}: use 1-40 letters, digits, '_', '.', '-'")
@@ -92,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         stage = 0
     shard = args.shard
     if args.role == "data-holder" and shard is None:
-        digits = re.findall(r"\d+", name)
+        digits = re.findall(r"\d+", args.name or "")  # a random name's hex digits are no shard
         shard = int(digits[-1]) if digits else 0
     if shard is not None and not 0 <= shard < cfg.train.data_holders:
         raise UserError(f"--shard {shard} is outside 0..{cfg.train.data_holders - 1} (train.data_holders)")
@@ -102,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         net = load_network(cfg.runtime.wan)
         if args.region not in net.regions:
             raise UserError(f"--region {args.region!r} is not in network {cfg.runtime.wan} ({', '.join(net.regions)})")
+    out_folder(args.out)
     _check_out(Path(args.out), name, args.join is None, args.resume, cfg)
     key_file = _check_key(args.key_file, Path(args.out), name)
     device = check_device(cfg, args)

@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read the instance from a .json or .toml file (docs/routing.md) instead of generating one")
     parser.add_argument("--write-instance", metavar="FILE",
                         help="write the instance (generated or read) to a .json or .toml file, then run")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the generated instance and of the protocol's random choices (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--crash-fraction", type=float, default=0.0,
                         help="after convergence, crash this fraction of the relays and re-converge")

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gwtf.cli import out_folder
 from gwtf.config import dump_toml
 from gwtf.errors import UserError
 from gwtf.protocol.faults import parse_fault
@@ -88,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if not systems:
         raise UserError("--systems is empty")
     factories = {name: get_system(name, sc.protocol) for name in systems}  # unknown system -> UserError
-    out = Path(args.out or f"runs/sim-{sc.name}-s{args.seed}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args.out or f"runs/sim-{sc.name}-s{args.seed}")
     built = build(sc, args.seed)  # same nodes for every system
     summaries: dict[str, dict[str, Any]] = {}
     timeline: list[dict[str, Any]] = []

@@ -20,12 +20,12 @@ import argparse
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gwtf.cli import (
     add_config_arguments,
@@ -34,9 +34,13 @@ from gwtf.cli import (
     apply_secret_file,
     check_device,
     device_overrides,
+    non_negative_s,
 )
 from gwtf.config import Config, load_config, write_resolved
 from gwtf.errors import UserError
+
+if TYPE_CHECKING:
+    from gwtf.runtime.swarm import SwarmOptions
 
 __all__ = ["add_arguments", "run", "run_swarm"]
 
@@ -62,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="give one initial node a scripted fault (runtime.fault for that node only; "
                              "repeatable), e.g. r1a=crash:compute=backward:from=2 (docs/faults.md)")
     parser.add_argument("--timeout-s", type=float, default=0.0, metavar="S",
-                        help="give up after S seconds (default: 120 + 30 per iteration)")
+                        help="give up after S seconds (default, or 0: 120 + 30 per iteration)")
     add_device_argument(parser)
     add_secret_argument(parser)
     add_config_arguments(parser)
@@ -71,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> tuple[Config, object]:
     from gwtf.runtime.swarm import SwarmOptions
 
+    non_negative_s(args.timeout_s, "--timeout-s")
     overrides = list(args.overrides) + device_overrides(args)
     for flag, key in (("iterations", "train.iterations"), ("data_holders", "train.data_holders"),
                       ("stages", "model.stages")):
@@ -87,6 +92,7 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
     if args.replicas < 1:
         raise UserError("--replicas must be >= 1")
     check_device(cfg, args)  # every node of a local swarm shares this machine's devices
+    check_swarm_config(cfg)
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
     opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
                         regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume)
@@ -113,6 +119,12 @@ def parse_node_faults(specs: list[str], cfg: Config, opts: object) -> dict[str, 
         runtime_fault(text)  # FaultError (one line, exit 2) before any process starts
         out[name] = text
     return out
+
+
+def check_swarm_config(cfg: Config) -> None:
+    """What a config must hold for a swarm beyond its own checks."""
+    if cfg.train.iterations < 1:
+        raise UserError("config: train.iterations must be >= 1 for a swarm (0 would never end)")
 
 
 def parse_slowdowns(specs: list[str], cfg: Config, opts: object) -> dict[str, float]:
@@ -209,6 +221,7 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
 
     assert isinstance(opts, SwarmOptions)
     console = Console(stderr=True)
+    cfg, opts = _resolve_data(cfg, opts, lambda text: console.print(f"{title}: {text}", markup=False, soft_wrap=True))
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, opts.out_dir)
     validation = CheckpointValidation(cfg, opts.out_dir, say=lambda s: console.print(s, markup=False))
@@ -243,6 +256,18 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
           f"joins {swarm.joins} (joiners that served, of {len(swarm.joiners)} started); outputs in {opts.out_dir} "
           "(metrics.jsonl, loss.png, nodes/)")
     return 0
+
+
+def _resolve_data(cfg: Config, opts: SwarmOptions, say: Callable[[str], None]) -> tuple[Config, SwarmOptions]:
+    """The data source decided once, here, before any node starts (an offline Shakespeare
+    becomes "synthetic", announced on this console): every data holder gets it as an override
+    and the resolved config records it."""
+    from gwtf.model.data import resolve_source
+
+    data = resolve_source(cfg.data, say)
+    if data == cfg.data:
+        return cfg, opts
+    return replace(cfg, data=data), replace(opts, overrides=(*opts.overrides, f'data.source="{data.source}"'))
 
 
 def _plot(rows: list[dict[str, Any]], out_dir: Path, title: str) -> None:

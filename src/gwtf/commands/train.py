@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from gwtf.cli import add_config_arguments, add_device_argument, check_device, device_overrides
+from gwtf.cli import add_config_arguments, add_device_argument, check_device, device_overrides, out_folder
 from gwtf.config import Config, load_config
 from gwtf.errors import UserError
 
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("gwtf train needs --local (one process); for a multi-node run use `gwtf swarm`")
     cfg = _resolve(args)
     check_device(cfg, args)
+    out_folder(args.out)
     from gwtf.model.trainer import train_local  # torch import only once we know we train
 
     total = cfg.train.iterations

@@ -9,6 +9,7 @@ function of (seed, d, t, m). Imports torch only to hand out tensors; no global R
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "prepare_shakespeare",
     "read_shakespeare_cache",
     "resolve_cache_dir",
+    "resolve_source",
     "synthetic_corpus",
 ]
 
@@ -223,6 +225,28 @@ def synthetic_corpus(n_bytes: int, seed: int = 0) -> str:
     return "".join(parts)[:n_bytes]
 
 
+# control bytes no text file holds (tab, newline, vertical tab, form feed, CR and ESC are fine)
+_BINARY_BYTE = re.compile(rb"[\x00-\x08\x0e-\x1a\x1c-\x1f]")
+
+
+def read_text_file(path: Path) -> str:
+    """A user's data file as text; UserError naming the file and the byte offset if it is binary
+    (a NUL or other control byte) or not UTF-8, rather than training on its bytes."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read data file {path}: {exc.strerror}") from None
+    bad = _BINARY_BYTE.search(data)
+    if bad is not None:
+        raise UserError(f"data file {path} is binary, not text: byte 0x{data[bad.start()]:02x} at offset "
+                        f"{bad.start()}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"data file {path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
+                        f"{exc.start} (convert it, e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
 def _read_path(source: str) -> list[tuple[str, str]]:
     path = Path(source).expanduser()
     if not path.exists():
@@ -230,12 +254,7 @@ def _read_path(source: str) -> list[tuple[str, str]]:
     files = [path] if path.is_file() else sorted(path.glob("*.txt"))
     if not files:
         raise UserError(f"data path holds no *.txt files: {path}")
-    docs = []
-    for f in files:
-        try:
-            docs.append((f.name, f.read_text(encoding="utf-8", errors="replace")))
-        except OSError as exc:
-            raise UserError(f"cannot read data file {f}: {exc.strerror}") from None
+    docs = [(f.name, read_text_file(f)) for f in files]
     if not any(text for _, text in docs):
         raise UserError(f"data path holds only empty text: {path}")
     return docs
@@ -258,13 +277,27 @@ def load_corpus(data_cfg: DataConfig, say: Say = _say_stderr) -> Corpus:
             try:
                 prepare_shakespeare(cache)
             except (DownloadError, OSError) as exc:
-                say(f"warning: cannot get Shakespeare ({exc}); using the synthetic corpus instead")
+                say(f"warning: cannot get Shakespeare ({exc}); this run uses the synthetic corpus instead "
+                    '(data.source = "synthetic")')
                 return _synthetic(data_cfg, cache)
             docs = read_shakespeare_cache(corpus_dir)
             if docs is None:
                 raise UserError(f"Shakespeare cache unreadable after preparing it: {corpus_dir}")
         return Corpus(name="shakespeare", docs=docs, cache_dir=corpus_dir)
     return Corpus(name=data_cfg.source, docs=_read_path(data_cfg.source), cache_dir=cache / "files")
+
+
+def resolve_source(data_cfg: DataConfig, say: Say = _say_stderr) -> DataConfig:
+    """`data_cfg` with the source the run really uses, decided once by whoever starts the run
+    (trainer, swarm launcher) so that every data holder and the resolved config agree: Shakespeare
+    is prepared into the cache now and, when that fails (offline), replaced by "synthetic" (said
+    in one line through `say`); a file or folder is read and checked (UserError if unusable)."""
+    if data_cfg.source == "shakespeare":
+        if load_corpus(data_cfg, say).name == "synthetic":
+            return dataclasses.replace(data_cfg, source="synthetic")
+    elif data_cfg.source != "synthetic":
+        _read_path(data_cfg.source)
+    return data_cfg
 
 
 def _synthetic(data_cfg: DataConfig, cache: Path) -> Corpus:

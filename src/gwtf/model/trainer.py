@@ -19,6 +19,7 @@ Must not import asyncio, socket or threading.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 from gwtf.config import Config, TrainConfig, WireConfig, to_dict, write_resolved
 from gwtf.errors import UserError
 from gwtf.model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from gwtf.model.data import TokenDataset, load_dataset
+from gwtf.model.data import TokenDataset, load_dataset, resolve_source
 from gwtf.model.device import compute_autocast, peak_memory_bytes, resolve_device
 from gwtf.model.presets import model_spec
 from gwtf.model.stage import FirstStage, build_stage, stage_forward_backward_reference
@@ -377,8 +378,10 @@ def train_local(
         torch.set_num_threads(tc.torch_threads)
     torch.manual_seed(tc.seed)  # only dropout draws from it; init is seeded per stage
     device = resolve_device(tc.device, flag="train.device =")  # the commands check --device first
-    ckpt = _open_checkpoint(out, cfg) if resume else None
     kwargs = {"say": say} if say is not None else {}
+    cfg = dataclasses.replace(cfg, data=resolve_source(cfg.data, **kwargs))  # the resolved config records it
+    tc = cfg.train
+    ckpt = _open_checkpoint(out, cfg) if resume else None
     dataset = load_dataset(cfg.data, cfg.model, tc.seed, tc.data_holders, **kwargs)
     spec = model_spec(cfg.model, dataset.vocab_size)
     stages = [build_stage(spec, k, cfg.model.stages, tc.seed, device=device) for k in range(cfg.model.stages)]

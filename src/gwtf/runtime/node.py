@@ -47,7 +47,7 @@ from gwtf.runtime import drive, keys, statusrpc
 from gwtf.runtime.chaos import fault_from, kill_self
 from gwtf.runtime.clock import Outbox, TimerTable, WanModel
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, RecordLog, dumps, node_dir, write_status
-from gwtf.runtime.transport import SendFailed, Transport, parse_addr
+from gwtf.runtime.transport import SendFailed, Transport, listen_problem, parse_addr
 from gwtf.runtime.watch import NodeStats, progress_line, should_print_progress
 
 log = logging.getLogger("gwtf.node")
@@ -134,7 +134,11 @@ class NodeRuntime:
         host, port = host.strip("[]"), int(port_text)  # port 0: any free port
         secret, key = self._secret_and_key(host)
         transport = Transport("?", secret, self._on_frame, self.cfg.runtime, static_key=key)
-        addr = await transport.start(host, port)
+        try:
+            addr = await transport.start(host, port)
+        except OSError as exc:  # e.g. the port was taken since `gwtf node` checked it
+            faulthandler.cancel_dump_traceback_later()
+            raise UserError(f"--listen {self.ident.listen}: {listen_problem(exc)}") from None
         self.node_id = make_node_id(self.ident.name, transport.fingerprint, self.ident.region, addr)
         transport.node_id = self.node_id  # ids embed the bound port, known only after listen
         self.transport = transport

@@ -29,8 +29,10 @@ others keep going.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import secrets
+import socket
 from collections import ChainMap, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -75,6 +77,17 @@ def parse_addr(addr: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"bad address {addr!r}: expected host:port")
     return host.strip("[]"), int(port)
+
+
+def listen_problem(exc: OSError) -> str:
+    """Why a listen failed, in words a user can act on."""
+    if exc.errno == errno.EADDRINUSE:
+        return "the port is already in use (pick another port, or 0 for any free one)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return "this machine has no such address (listen on one of its own addresses)"
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host ({exc.strerror})"
+    return f"cannot listen: {exc.strerror or exc}"
 
 
 class _Refused(Exception):

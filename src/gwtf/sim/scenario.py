@@ -50,24 +50,25 @@ def _req(ok: bool, key: str, why: str) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSection:
-    family: Literal["gpt", "llama"] = "gpt"
-    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "124m"
-    seq_len: int = 1024
-    microbatch_size: int = 8
-    stages: int = 4
-    vocab_size: int = 2048
+    family: Literal["gpt", "llama"] = "gpt"  # model family (as model.family of the run config)
+    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "124m"  # model size whose compute and tensor sizes are simulated
+    seq_len: int = 1024  # tokens per sequence
+    microbatch_size: int = 8  # sequences per microbatch
+    stages: int = 4  # pipeline stages incl. stage 0 (data holders)
+    vocab_size: int = 2048  # vocabulary size (embedding and head sizes)
 
     def __post_init__(self) -> None:
         _req(self.stages >= 2, "model.stages", "must be >= 2")
         _req(self.seq_len >= 2, "model.seq_len", "must be >= 2")
         _req(self.microbatch_size >= 1, "model.microbatch_size", "must be >= 1")
+        _req(self.vocab_size >= 260, "model.vocab_size", "must be >= 260")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodesSection:
-    count: int = 16
-    data_holders: int = 4
-    network: str = "geo10"
+    count: int = 16  # nodes in total (data holders + relays)
+    data_holders: int = 4  # data holders (stage 0)
+    network: str = "geo10"  # region table of latencies and bandwidths (gwtf/resources/NAME.toml)
     demand_per_dh: int = 0  # microbatches per data holder per iteration; 0 = train.microbatches
     relay_capacity: tuple[int, ...] = ()  # (lo, hi): uniform draw; () = memory model
     jitter_fraction: float = 0.0  # per-link noise on the network table
@@ -101,7 +102,7 @@ class NodesSection:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainSection:
     microbatches: int = 4  # M per data holder per iteration
-    iterations: int = 10
+    iterations: int = 10  # K: iterations to simulate
 
     def __post_init__(self) -> None:
         _req(self.microbatches >= 1, "train.microbatches", "must be >= 1")
@@ -124,9 +125,9 @@ class ChurnSection:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinksSection:
     events_per_hour: float = 0.0  # swarm-wide link instability windows
-    duration_s: float = 60.0
-    latency_factor: float = 3.0
-    bandwidth_divisor: float = 4.0
+    duration_s: float = 60.0  # length of one instability window
+    latency_factor: float = 3.0  # an unstable link's latency is multiplied by this
+    bandwidth_divisor: float = 4.0  # an unstable link's bandwidth is divided by this
     cut_fraction: float = 0.2  # share of windows that cut the link entirely
 
     def __post_init__(self) -> None:
@@ -142,12 +143,13 @@ class SimSection:
     compute_jitter: float = 0.05  # +- share of every compute duration (seeded)
     control_bytes: int = CONTROL_BYTES  # header bytes of every message (the runtime's WAN emulation: the same)
     send_fail_delay_s: float = 1.0  # a send to a dead node / over a cut link fails after this
-    checkpoint_bandwidth_bytes_per_s: float = 100e6
+    checkpoint_bandwidth_bytes_per_s: float = 100e6  # speed of writing / fetching a stage checkpoint
     max_time_s: float = 86400.0  # stop the simulation at this virtual time
     progress_bound_s: float = 3600.0  # invariant: an iteration completes at least this often
 
     def __post_init__(self) -> None:
         _req(0 <= self.compute_jitter < 1, "sim.compute_jitter", "must be in [0, 1)")
+        _req(self.control_bytes >= 0, "sim.control_bytes", "must be >= 0")
         _req(self.send_fail_delay_s > 0, "sim.send_fail_delay_s", "must be > 0")
         _req(self.checkpoint_bandwidth_bytes_per_s > 0, "sim.checkpoint_bandwidth_bytes_per_s", "must be > 0")
         _req(self.max_time_s > 0, "sim.max_time_s", "must be > 0")
@@ -156,8 +158,8 @@ class SimSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScenarioConfig:
-    name: str = "scenario"
-    description: str = ""
+    name: str = "scenario"  # scenario name (output folder runs/sim-NAME-sSEED)
+    description: str = ""  # free text shown nowhere but the file
     model: ModelSection = field(default_factory=ModelSection)
     nodes: NodesSection = field(default_factory=NodesSection)
     train: TrainSection = field(default_factory=TrainSection)
