@@ -129,10 +129,10 @@ def run(args: argparse.Namespace) -> int:
         net = load_network(cfg.runtime.wan)
         if args.region not in net.regions:
             raise UserError(f"--region {args.region!r} is not in network {cfg.runtime.wan} ({', '.join(net.regions)})")
+    device = check_device(cfg, args)  # before anything is written
     out_folder(args.out)
     _check_out(Path(args.out), name, args.join is None, args.resume, cfg)
     key_file = _check_key(args.key_file, Path(args.out), name)
-    device = check_device(cfg, args)
     from gwtf.runtime.node import NodeIdentity, run_node  # torch only once we really run
 
     ident = NodeIdentity(
