@@ -81,6 +81,15 @@ def test_flows_move_to_the_faster_of_two_replicas(make_swarm: MakeSwarm, finish:
     dirs = {p.name: p.dir for p in swarm.group.procs}
     for name, values in advertised.items():
         assert values and all(v > 0 for v in values), (name, values, table)
-        status = read_status(dirs[name] / STATUS_FILE)
-        assert status is not None and status["compute_s"] in values, (name, status, values)
+    # status.json is rewritten every runtime.status_period_s: it shows an advertised value once the
+    # node wrote it after its advertisement (loop run 1 at 9dc5df9 read it just before: 1e-9, unmeasured)
+    status_deadline = time.monotonic() + 10.0
+    while True:
+        statuses = {name: read_status(dirs[name] / STATUS_FILE) for name in advertised}
+        shown = {name: None if st is None else st["compute_s"] for name, st in statuses.items()}
+        if all(shown[name] in _advertised(swarm, name) for name in advertised):
+            break
+        assert time.monotonic() < status_deadline, (shown, advertised)
+        swarm.step()
+        time.sleep(0.05)  # polling period of a bounded wait
     assert advertised[SLOW][-1] > 2.0 * advertised[FAST][-1], (advertised, table)
