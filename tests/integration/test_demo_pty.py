@@ -31,13 +31,13 @@ from gwtf.runtime.status import read_status
 ROOT = Path(__file__).resolve().parents[2]
 TEST_CONFIG = str(ROOT / "configs" / "swarm-test.toml")
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][0-9A-B]|\r")
-HEADER = re.compile(r"iteration (\d+)/(\d+) \| ETA \S+ \| loss \S+ \| \S+ tokens/s \| members by stage (.+?) \| "
+HEADER = re.compile(r"iteration (\d+)/(\d+) \| ETA \S+ \| loss \S+ \| (\S+) tokens/s \| members by stage (.+?) \| "
                     r"crashes (\d+) \| joins (\d+)")
 DEADLINE_S = 300.0
 
 
 def _filled_frame(text: str) -> dict[str, dict[str, str]] | None:
-    """The rows of the last drawn table whose tokens/s and served are filled, if that table has
+    """The rows of the last drawn table whose tokens/s and served are filled (> 0), if that table has
     the header above it and a filled row for every stage and for both data holders."""
     if not HEADER.search(text):
         return None
@@ -52,7 +52,10 @@ def _filled_frame(text: str) -> dict[str, dict[str, str]] | None:
         if len(cells) != len(columns):
             continue
         row = dict(zip(columns, cells, strict=True))
-        if row["served"].isdigit() and int(row["served"]) > 0 and row["tokens/s"].isdigit():
+        # tokens/s is the node's last iteration: 0 for a replica the routes left idle in it (loop run 1
+        # at 1c4d68e drew such a frame), so a stage counts as filled by a row with both above 0
+        if row["served"].isdigit() and int(row["served"]) > 0 and row["tokens/s"].isdigit() \
+                and int(row["tokens/s"]) > 0:
             filled[row["node"]] = row
     stages = {row["stage"] for row in filled.values()}
     return filled if {"dh0", "dh1"} <= filled.keys() and {"0", "1", "2"} <= stages else None
@@ -88,7 +91,7 @@ def test_demo_under_a_terminal_shows_the_header_and_fills_the_table(tmp_path: Pa
         text = ANSI.sub(b"", seen).decode(errors="replace")
         header = HEADER.findall(text)[-1]
         assert int(header[0]) >= 1 and header[1] == "100000", header
-        assert all(float(row["tokens/s"]) > 0 for row in filled.values()), filled
+        assert float(header[2]) > 0, header  # the swarm's tokens/s, summed over the data holders
 
         os.killpg(demo.pid, signal.SIGINT)  # Ctrl+C
         end = time.monotonic() + 90
