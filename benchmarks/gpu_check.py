@@ -110,11 +110,18 @@ def run_local(profile: Profile, precision: str, out: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     result = train_local(cfg, out, say=lambda _: None)
     rows = result.metrics
-    return {"run": "local trainer", "precision": precision, "iterations": len(rows),
-            "tokens_per_iteration": rows[-1]["tokens"] if rows else 0, "vocab": result.dataset.vocab_size,
+    peak = max((int(r["peak_memory_bytes"]) for r in rows), default=0)
+    return _result("local trainer", precision, profile, rows, result.dataset.vocab_size, t0, peak, None)
+
+
+def _result(run: str, precision: str, profile: Profile, rows: list[dict[str, Any]], vocab: int, t0: float,
+            peak: int, peak_total: int | None) -> dict[str, Any]:
+    """One table row: tokens/s is the median over the iterations after the warm-up ones."""
+    return {"run": run, "precision": precision, "iterations": len(rows),
+            "tokens_per_iteration": rows[-1]["tokens"] if rows else 0, "vocab": vocab,
             "tokens_per_s": _median_tps(rows, profile.skip), "loss_last": rows[-1]["loss"] if rows else None,
-            "peak_memory_bytes": max((int(r["peak_memory_bytes"]) for r in rows), default=0),
-            "peak_memory_total_bytes": None, "wall_s": round(time.monotonic() - t0, 1)}
+            "peak_memory_bytes": peak, "peak_memory_total_bytes": peak_total,
+            "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def run_swarm(profile: Profile, precision: str, out: Path) -> dict[str, Any]:
@@ -145,12 +152,8 @@ def run_swarm(profile: Profile, precision: str, out: Path) -> dict[str, Any]:
             for r in records:
                 if r.get("event") == "stepped" and "peak_memory_bytes" in r:
                     peaks[name] = max(peaks.get(name, 0), int(r["peak_memory_bytes"]))
-    return {"run": "local swarm (1 replica/stage)", "precision": precision, "iterations": len(rows),
-            "tokens_per_iteration": rows[-1]["tokens"] if rows else 0, "vocab": vocab_size_for(cfg.data),
-            "tokens_per_s": _median_tps(rows, profile.skip),
-            "loss_last": rows[-1]["loss"] if rows else None, "peak_memory_bytes": max(peaks.values(), default=0),
-            "peak_memory_total_bytes": sum(peaks.values()), "wall_s": round(time.monotonic() - t0, 1),
-            "finished": done}
+    return {**_result("local swarm (1 replica/stage)", precision, profile, rows, vocab_size_for(cfg.data), t0,
+                      max(peaks.values(), default=0), sum(peaks.values())), "finished": done}
 
 
 def _mib(n: int | None) -> str:

@@ -131,3 +131,8 @@ def test_swarm_slow_flag_slows_that_node_s_process_only() -> None:
 def test_a_bad_slow_flag_is_a_user_error(spec: str, says: str) -> None:
     with pytest.raises(UserError, match=says):
         _options(_args(spec))
+
+
+def test_two_slow_flags_for_one_node_are_refused_as_faults_are() -> None:
+    with pytest.raises(UserError, match="node 'r1a' has a slowdown already"):
+        _options(_args("r1a=4", "r1a=2"))

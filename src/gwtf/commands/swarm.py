@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gwtf.cli import (
     add_config_arguments,
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run", "run_swarm"]
 
 POLL_S = 0.2  # display / churn polling period
+T = TypeVar("T")
 LOOPBACK = ("127.0.0.1",)  # every node of a local swarm listens here (and joins through a peer here)
 
 
@@ -103,22 +104,13 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
 def parse_node_faults(specs: list[str], cfg: Config, opts: object) -> dict[str, str]:
     """`--fault NODE=SPEC` flags -> {node name: spec}; UserError naming a bad one."""
     from gwtf.runtime.chaos import runtime_fault
-    from gwtf.runtime.swarm import SwarmOptions, initial_plans
 
-    assert isinstance(opts, SwarmOptions)
-    names = [p.name for p in initial_plans(cfg, opts)]
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, sep, text = spec.partition("=")
-        if not sep or not text:
-            raise UserError(f"--fault {spec!r}: expected NODE=SPEC, e.g. r1a=crash:compute=forward:iter=2")
-        if name not in names:
-            raise UserError(f"--fault {spec!r}: no initial node {name!r} (nodes: {', '.join(names)})")
-        if name in out:
-            raise UserError(f"--fault {spec!r}: node {name!r} has a fault already (one per node)")
+    def spec(text: str) -> str:
         runtime_fault(text)  # FaultError (one line, exit 2) before any process starts
-        out[name] = text
-    return out
+        return text
+
+    return _per_node_flags("--fault", "NODE=SPEC, e.g. r1a=crash:compute=forward:iter=2", "a fault",
+                           specs, _initial_names(cfg, opts), spec)
 
 
 def check_swarm_config(cfg: Config) -> None:
@@ -129,22 +121,44 @@ def check_swarm_config(cfg: Config) -> None:
 
 def parse_slowdowns(specs: list[str], cfg: Config, opts: object) -> dict[str, float]:
     """`--slow NODE=FACTOR` flags -> {node name: factor}; UserError naming a bad one."""
+
+    def factor(text: str) -> float:
+        value = float(text)
+        if not 1.0 <= value <= 1000.0:
+            raise ValueError(text)
+        return value
+
+    return _per_node_flags("--slow", "NODE=FACTOR with FACTOR in [1, 1000], e.g. r1a=4", "a slowdown",
+                           specs, _initial_names(cfg, opts), factor)
+
+
+def _initial_names(cfg: Config, opts: object) -> list[str]:
     from gwtf.runtime.swarm import SwarmOptions, initial_plans
 
     assert isinstance(opts, SwarmOptions)
-    names = [p.name for p in initial_plans(cfg, opts)]
-    out: dict[str, float] = {}
+    return [p.name for p in initial_plans(cfg, opts)]
+
+
+def _per_node_flags(flag: str, expected: str, what: str, specs: list[str], names: list[str],
+                    parse: Callable[[str], T]) -> dict[str, T]:
+    """`FLAG NODE=VALUE` flags -> {node: parse(VALUE)}, checked in order: shape, node, one per node,
+    value. `parse` raises ValueError for a bad value (reported as `expected`); a UserError it raises
+    (a fault grammar error) is its own one-line message."""
+    out: dict[str, T] = {}
     for spec in specs:
         name, sep, text = spec.partition("=")
-        try:
-            factor = float(text)
-        except ValueError:
-            factor = float("nan")
-        if not sep or not 1.0 <= factor <= 1000.0:
-            raise UserError(f"--slow {spec!r}: expected NODE=FACTOR with FACTOR in [1, 1000], e.g. r1a=4")
+        if not sep or not text:
+            raise UserError(f"{flag} {spec!r}: expected {expected}")
         if name not in names:
-            raise UserError(f"--slow {spec!r}: no initial node {name!r} (nodes: {', '.join(names)})")
-        out[name] = factor
+            raise UserError(f"{flag} {spec!r}: no initial node {name!r} (nodes: {', '.join(names)})")
+        if name in out:
+            raise UserError(f"{flag} {spec!r}: node {name!r} has {what} already (one per node)")
+        try:
+            out[name] = parse(text)
+        except UserError:
+            raise
+        except ValueError:
+            raise UserError(f"{flag} {spec!r}: expected {expected}") from None
     return out
 
 
