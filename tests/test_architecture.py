@@ -128,7 +128,7 @@ def test_every_module_keeps_its_rows_rules(path: Path) -> None:
 def test_the_table_is_read_and_covers_the_packages() -> None:
     """Guard against the check silently passing because it found no rules."""
     names = {n for r in ROWS for n in r.names}
-    assert {"protocol", "sim", "runtime", "flow", "model", "config", "tensor_sim", "commands"} <= names, names
+    assert {"protocol", "protocol.routing", "protocol.base", "sim", "runtime", "flow", "model", "config", "tensor_sim", "commands"} <= names, names
     assert len(_modules()) > 50
 
 
@@ -138,6 +138,9 @@ def test_the_check_catches_a_violation(tmp_path: Path) -> None:
     for bad in ("torch", "runtime.transport", "sim.engine", "model.stage"):
         assert any(_matches(bad, e) for e in row.may_not) or not any(_matches(bad, e) for e in row.may or ()), bad
     assert any(_matches("sim", e) for e in _row_of("runtime.node").may_not)
+    # the routing agent sees the protocol only through its vocabulary, never a core part
+    assert any(_matches("protocol.core", e) for e in _row_of("protocol.routing.agent").may_not)
+    assert not any(_matches("protocol.membership", e) for e in _row_of("protocol.routing.state").may or ())
     assert _matches("dataclasses", "stdlib") and not _matches("numpy", "stdlib")
 
 

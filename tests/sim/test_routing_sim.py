@@ -14,7 +14,7 @@ from gwtf.config import FlowConfig
 from gwtf.flow.generate import generate_instance
 from gwtf.flow.instance import evaluate_routes, validate_routes
 from gwtf.flow.optimum import optimum
-from gwtf.protocol.flow_messages import FlowPropose
+from gwtf.protocol.routing.messages import FlowPropose
 from gwtf.sim.routing_sim import RoutingSim
 
 
@@ -22,9 +22,9 @@ def _no_leaks(sim: RoutingSim) -> None:
     """Every live relay holds exactly the flows of the complete routes through it."""
     through = Counter(n for r in sim.routes() for n in r[1:])
     for nid, agent in sim.agents.items():
-        if nid in sim.dead or agent.is_dh:
+        if nid in sim.dead or agent.state.is_dh:
             continue
-        assert len(agent.flows) == through[nid], f"{nid}: {len(agent.flows)} entries, {through[nid]} routes"
+        assert len(agent.state.flows) == through[nid], f"{nid}: {len(agent.state.flows)} entries, {through[nid]} routes"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -127,7 +127,7 @@ def test_swap_next_hops_keeps_routes_valid_and_leak_free(seed: int) -> None:
     assert out.converged
     assert stats.flow == optimum(inst).stats.flow
     _no_leaks(sim)
-    moved = sum(a.tail_swaps for a in sim.agents.values())
+    moved = sum(a.anneal.swap.tail_swaps for a in sim.agents.values())
     assert moved > 0  # tails were actually swapped (and renamed) during the run
 
 
@@ -149,7 +149,7 @@ def test_quiet_ticks_back_off_and_wake_on_a_crash() -> None:
     _, fixed = settled(FlowConfig())
     sim, quiet = settled(FlowConfig(tick_max_s=32.0, advert_tolerance=0.02))
     assert quiet < fixed / 3, (quiet, fixed)
-    assert max(a._tick_gap for a in sim.agents.values()) > 8.0
+    assert max(a.state.tick_gap for a in sim.agents.values()) > 8.0
     victims = sim.crash(0.2, random.Random(9))
     survivors = sim.surviving_instance()
     out = sim.run(600.0, target_flow=optimum(survivors).stats.flow)
@@ -237,5 +237,5 @@ def test_no_half_route_is_left_at_a_relay_that_died_mid_exchange() -> None:
     assert out.flow_reached_at_s is not None and out.flow_reached_at_s < 60.0
     for nid, agent in sim.agents.items():
         if nid not in sim.dead:
-            assert not [e.key for e in agent.flows.values() if {e.prev, e.next} & sim.dead], nid
+            assert not [e.key for e in agent.state.flows.values() if {e.prev, e.next} & sim.dead], nid
     sim.check_invariants()

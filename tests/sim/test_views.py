@@ -44,18 +44,18 @@ def test_views_are_symmetric_bounded_and_match_the_per_peer_rule() -> None:
     sizes: list[int] = []
     for nid, core in cores.items():
         agent = core.router
-        for peer in agent.next_peers:  # type: ignore[attr-defined]
-            assert nid in cores[peer].router.prev_peers, (nid, peer)  # type: ignore[attr-defined]
-        for peer in agent.prev_peers:  # type: ignore[attr-defined]
-            assert nid in cores[peer].router.next_peers, (nid, peer)  # type: ignore[attr-defined]
+        for peer in agent.state.next_peers:  # type: ignore[attr-defined]
+            assert nid in cores[peer].router.state.prev_peers, (nid, peer)  # type: ignore[attr-defined]
+        for peer in agent.state.prev_peers:  # type: ignore[attr-defined]
+            assert nid in cores[peer].router.state.next_peers, (nid, peer)  # type: ignore[attr-defined]
         # the roster's start equals the rule a node applies to a peer it hears of later
         near = {p for p in core.directory.values() if (p.stage - core.me.stage) % 4 in (0, 1, 3) and p.id != nid}
-        seen = set(agent.next_peers) | set(agent.prev_peers) | set(agent.same_peers)  # type: ignore[attr-defined]
+        seen = set(agent.state.next_peers) | set(agent.state.prev_peers) | set(agent.state.same_peers)  # type: ignore[attr-defined]
         assert seen == {p.id for p in near if core.in_view(p)}
         if 0 < core.me.stage < 3:
-            sizes.append(len(agent.next_peers))  # type: ignore[attr-defined]
+            sizes.append(len(agent.state.next_peers))  # type: ignore[attr-defined]
         elif core.me.stage == 3:  # the way back: every data holder
-            assert len(agent.next_peers) == 8  # type: ignore[attr-defined]
+            assert len(agent.state.next_peers) == 8  # type: ignore[attr-defined]
     relays_per_stage = (400 - 8) / 3
     assert relays_per_stage > 5 * k
     assert 0.7 * k < statistics.mean(sizes) < 1.3 * k, statistics.mean(sizes)

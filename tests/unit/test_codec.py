@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import gwtf.flow
 import gwtf.protocol
 from gwtf.protocol.base import MESSAGE_TYPES, Message
+from gwtf.protocol.routing.messages import MOVE_KINDS
 from gwtf.runtime.chunks import CHUNK_TYPES
 from gwtf.runtime.codec import (
     BFLOAT16,
@@ -119,9 +120,15 @@ def strategy(tp: Any) -> st.SearchStrategy[Any]:
     raise AssertionError(f"no strategy for {tp!r}")
 
 
+FIELD_VALUES: dict[tuple[str, str], st.SearchStrategy[Any]] = {
+    ("flow.propose", "kind"): st.sampled_from(sorted(MOVE_KINDS)),  # any other kind is refused
+}
+
+
 def instances(cls: type[Message]) -> st.SearchStrategy[Message]:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: strategy(hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: FIELD_VALUES.get((cls.TYPE, f.name)) or strategy(hints[f.name])
+              for f in dataclasses.fields(cls) if f.init}
     return st.fixed_dictionaries(fields).map(lambda kw: _build(cls, kw))
 
 
@@ -413,7 +420,7 @@ def test_prefix_layout_is_18_bytes_little_endian() -> None:
 def test_flow_advert_that_would_poison_the_distance_vector_is_refused() -> None:
     """An advert with a NaN or negative cost, duplicate targets or misaligned columns is refused at
     decode, naming the type; inf (no route) is a legal cost."""
-    from gwtf.protocol.flow_messages import FlowAdvert
+    from gwtf.protocol.routing.messages import FlowAdvert
 
     bad = [(("a", "b"), (1.0, float("nan"))), (("a",), (-1.0,)), (("a", "a"), (1.0, 2.0)), (("a", "b"), (1.0,))]
     for targets, costs in bad:
@@ -421,3 +428,14 @@ def test_flow_advert_that_would_poison_the_distance_vector_is_refused() -> None:
             decode_all(encode_bytes(FlowAdvert(targets, costs, True), []))
     ok = FlowAdvert(("a", "b"), (0.5, float("inf")), False)
     assert_same(decode_all(encode_bytes(ok, [])), ok, [])
+
+
+def test_an_annealing_proposal_of_an_unknown_move_kind_is_refused() -> None:
+    """Every FlowPropose kind has a move strategy (routing.moves); any other is refused at decode."""
+    from gwtf.protocol.routing.messages import MOVE_KINDS, FlowPropose
+
+    with pytest.raises(WireError, match="flow.propose"):
+        decode_all(encode_bytes(FlowPropose("teleport", "d0", 1, "a", "b"), []))
+    for kind in sorted(MOVE_KINDS):
+        ok = FlowPropose(kind, "d0", 1, "a", "b")
+        assert_same(decode_all(encode_bytes(ok, [])), ok, [])

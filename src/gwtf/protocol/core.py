@@ -60,7 +60,7 @@ def make_router(name: str, me: PeerInfo, train: TrainParams, rng: random.Random,
                 flow_cfg: FlowConfig | None = None) -> Router:
     """The router `protocol.router` names: "greedy" (`simple_router`) or "flow" (gwtf's FlowAgent)."""
     if name == "flow":
-        from gwtf.protocol.flow import FlowAgent
+        from gwtf.protocol.routing import FlowAgent
 
         return FlowAgent(me, train.stages, train.route_bytes, flow_cfg or FlowConfig(), rng)
     return GreedyRouter(me, train.stages, train.route_bytes)

@@ -27,10 +27,10 @@ from typing import Protocol
 from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.errors import UserError
 from gwtf.protocol.core import NodeCore, make_router
-from gwtf.protocol.flow import FlowAgent  # noqa: F401  (registers the flow messages)
 from gwtf.protocol.ledger import LinkPrior, Policy, TrainParams
 from gwtf.protocol.rebalance import GWTF_REBALANCE_POLICY, GwtfCore
 from gwtf.protocol.router import PeerInfo, Router
+from gwtf.protocol.routing import FlowAgent  # noqa: F401  (registers the flow messages)
 from gwtf.protocol.simple_router import GreedyRouter
 from gwtf.protocol.swarm import SWARM_POLICY, SwarmCore, swarm_router
 

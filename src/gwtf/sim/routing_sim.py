@@ -29,8 +29,8 @@ from typing import Any, assert_never
 from gwtf.config import FlowConfig
 from gwtf.flow.instance import Instance, NodeSpec, Route
 from gwtf.protocol.base import CancelTimer, Message, NodeId, RouterEffect, Send, SetTimer
-from gwtf.protocol.flow import FlowAgent
 from gwtf.protocol.router import LinkEstimate, PeerInfo
+from gwtf.protocol.routing import FlowAgent
 from gwtf.sim.engine import Engine
 
 CONTROL_MESSAGE_BYTES = 200
@@ -188,7 +188,7 @@ class RoutingSim:
         for dh in self.instance.by_stage[0]:
             if dh in self.dead:
                 continue
-            for key, e in self.agents[dh].flows.items():
+            for key, e in self.agents[dh].state.flows.items():
                 if e.pending or e.next is None:
                     continue
                 walked = self._walk(dh, key, e)
@@ -214,7 +214,7 @@ class RoutingSim:
                 prev = f.prev  # not renamed yet: still names the old origin as prev
             if f is None or f.pending or f.prev != prev or f.next is None:
                 return None
-            alias = self.agents[node].swap_aliases.get(f.key)
+            alias = self.agents[node].anneal.swap.aliases.get(f.key)
             if alias is not None:  # tails swapped here: below, the tail may still have its old name
                 keys = (*keys, alias[0])
             route.append(node)
@@ -238,7 +238,7 @@ class RoutingSim:
                 raise AssertionError(f"routing snapshot at {self.engine.now:.3f} s: {nid} carries {n} routes, "
                                      f"limit {limit}")
         for nid, n in load.items():
-            held = len(self.agents[nid].flows)
+            held = len(self.agents[nid].state.flows)
             if n > held:
                 raise AssertionError(f"routing snapshot at {self.engine.now:.3f} s: {nid} carries {n} routes "
                                      f"over {held} flow entries (a route counted twice)")
@@ -251,11 +251,11 @@ class RoutingSim:
                 return node, None
             agent = self.agents[node]
             stone = None
-            found = [f for f in (agent.flows.get(key) for key in keys) if f is not None]
+            found = [f for f in (agent.state.flows.get(key) for key in keys) if f is not None]
             if found:
                 return node, next((f for f in found if f.prev == prev), found[0])
             for key in keys:
-                stone = stone or agent.tombstones.get(key)
+                stone = stone or agent.state.tombstones.get(key)
             if stone is None:
                 return node, None
             node = stone[0]
@@ -266,9 +266,9 @@ class RoutingSim:
         for nid, a in self.agents.items():
             if nid in self.dead:
                 continue
-            limit = min(a.me.demand, a.me.capacity) if a.is_dh else a.me.capacity
-            if len(a.flows) > limit or a.load > a.me.capacity:
-                raise AssertionError(f"{nid} holds {len(a.flows)} flows (+{a.reserved} reserved), limit {limit}")
+            limit = min(a.state.me.demand, a.state.me.capacity) if a.state.is_dh else a.state.me.capacity
+            if len(a.state.flows) > limit or a.state.load > a.state.me.capacity:
+                raise AssertionError(f"{nid} holds {len(a.state.flows)} flows (+{a.state.reserved} reserved), limit {limit}")
 
     # ---------------------------------------------------------------------------- driving
 

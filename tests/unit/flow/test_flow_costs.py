@@ -1,5 +1,5 @@
-"""The flow agent's distance vector (`_current_costs`, cached tables patched per advert, and
-`_cost_vector`, which takes a numpy path when every peer advertised one shared target tuple)
+"""The flow agent's distance vector (`FlowState.current_costs`, cached tables patched per advert, and
+`cost_vector`, which takes a numpy path when every peer advertised one shared target tuple)
 equals the plain definition min over next peers of d(me, n) + adv_n(t), through a seeded random
 history of adverts (changing target sets, shared or not), single-entry refusal updates, link
 changes, departures and arrivals."""
@@ -11,16 +11,16 @@ import random
 import pytest
 
 from gwtf.config import FlowConfig
-from gwtf.protocol.flow import FlowAgent
-from gwtf.protocol.flow_core import INF, shared_targets
-from gwtf.protocol.flow_messages import FlowAdvert
 from gwtf.protocol.router import LinkEstimate, PeerInfo
+from gwtf.protocol.routing import FlowAgent
+from gwtf.protocol.routing.messages import FlowAdvert
+from gwtf.protocol.routing.state import INF, shared_targets
 
 
 def _plain(agent: FlowAgent) -> dict[str, float]:
     """Least finite cost to each target (a target no peer reaches is absent, not inf)."""
     best: dict[str, float] = {}
-    for nb in agent.next_peers.values():
+    for nb in agent.state.next_peers.values():
         for t, c in nb.adv.items():
             best[t] = min(best.get(t, INF), nb.cost_s + c)
     return {t: c for t, c in best.items() if c < INF}
@@ -49,9 +49,9 @@ def test_cost_vector_equals_the_plain_definition(seed: int) -> None:
             pid = rng.choice(live)
             agent.on_link_update(pid, LinkEstimate(rng.uniform(0.001, 0.2), rng.uniform(1e6, 1e9)), now)
         elif roll < 0.36:
-            nb = agent.next_peers[rng.choice(live)]
+            nb = agent.state.next_peers[rng.choice(live)]
             nb.set_cost(rng.choice(holders), rng.uniform(0.0, 5.0))
-            agent.costs_dirty = True
+            agent.state.costs_dirty = True
         else:
             targets = tuple(sorted(rng.sample(holders, rng.choice((12, 12, 12, 8)))))
             if rng.random() < 0.7:  # as a simulated swarm sends them: the advertiser's shared tuple
@@ -61,9 +61,9 @@ def test_cost_vector_equals_the_plain_definition(seed: int) -> None:
             agent.on_message(rng.choice(live), FlowAdvert(targets, costs, True), now)
         roll = rng.random()
         if roll < 0.4:
-            assert agent._current_costs() == _plain(agent), f"step {step}"
+            assert agent.state.current_costs() == _plain(agent), f"step {step}"
         elif roll < 0.8:
-            agent.costs_dirty = True
-            targets, costs = agent._cost_vector()
+            agent.state.costs_dirty = True
+            targets, costs = agent.state.cost_vector()
             assert dict(zip(targets, costs)) == _plain(agent), f"step {step}"
             assert list(targets) == sorted(targets)

@@ -1,4 +1,4 @@
-"""FlowAgent (protocol/flow.py) in a tiny in-memory harness: a few agents, one inbox queue per
+"""FlowAgent (protocol/routing/) in a tiny in-memory harness: a few agents, one inbox queue per
 node, a manual clock. Covers phase A reservation, capacity limits, crash repair, rerouting in
 `next_hop`, link re-pricing, the wire rules of the flow messages, and determinism."""
 
@@ -15,10 +15,10 @@ from gwtf.config import FlowConfig
 from gwtf.flow.instance import Instance, NodeSpec, Route, evaluate_routes
 from gwtf.flow.network import Network
 from gwtf.protocol.base import MESSAGE_TYPES, NodeId, Send, SetTimer
-from gwtf.protocol.flow import FlowAgent
-from gwtf.protocol.flow_anneal import _Move
-from gwtf.protocol.flow_messages import FlowQuery
 from gwtf.protocol.router import LinkEstimate, PeerInfo
+from gwtf.protocol.routing import FlowAgent
+from gwtf.protocol.routing.messages import FlowQuery
+from gwtf.protocol.routing.moves import Choice
 
 DELAY_S = 0.05
 STEP_S = 0.05
@@ -97,19 +97,19 @@ class Harness:
 
     def assert_capacities(self) -> None:
         for nid, a in self.agents.items():
-            assert a.load <= a.me.capacity, f"{nid} over capacity"
-            if a.is_dh:
-                assert len(a.flows) <= min(a.me.demand, a.me.capacity)
+            assert a.state.load <= a.state.me.capacity, f"{nid} over capacity"
+            if a.state.is_dh:
+                assert len(a.state.flows) <= min(a.state.me.demand, a.state.me.capacity)
 
     def routes(self) -> list[Route]:
         out: list[Route] = []
         dh = self.agents["dh"]
-        for key, e in dh.flows.items():
+        for key, e in dh.state.flows.items():
             if e.pending or e.next is None:
                 continue
             route, prev, node = ["dh"], "dh", e.next
             while node != "dh":
-                f = self.agents[node].flows.get(key)
+                f = self.agents[node].state.flows.get(key)
                 assert f is not None and f.prev == prev and not f.pending, f"broken flow {key} at {node}"
                 route.append(node)
                 prev, node = node, f.next
@@ -130,7 +130,7 @@ def _link(inst: Instance, a: NodeId, b: NodeId) -> LinkEstimate:
 
 
 def _relay_flow_counts(h: Harness) -> dict[NodeId, int]:
-    return {nid: len(a.flows) for nid, a in h.agents.items() if not a.is_dh and nid not in h.dead}
+    return {nid: len(a.state.flows) for nid, a in h.agents.items() if not a.state.is_dh and nid not in h.dead}
 
 
 def test_flows_are_established_end_to_end() -> None:
@@ -205,14 +205,14 @@ def test_link_update_reprices_routes_up_to_the_data_holder() -> None:
     h = Harness(inst)
     h.run(15.0)
     dh = h.agents["dh"]
-    (entry,) = dh.flows.values()
+    (entry,) = dh.state.flows.values()
     before = entry.down_s
     assert before == pytest.approx(inst.route_cost_s(h.routes()[0]))
     r1 = h.agents["r1a"]
     slow = LinkEstimate(latency_s=1.0, bandwidth_bytes_per_s=inst.bandwidth_bytes_per_s("r1a", "r2a"))
     h.apply("r1a", r1.on_link_update("r2a", slow, h.now))
     h.run(1.0)
-    assert dh.flows[entry.key].down_s == pytest.approx(before + 1.0 - 0.01)
+    assert dh.state.flows[entry.key].down_s == pytest.approx(before + 1.0 - 0.01)
 
 
 def test_same_seed_same_routes_and_messages() -> None:
@@ -220,7 +220,7 @@ def test_same_seed_same_routes_and_messages() -> None:
     for _ in range(2):
         h = Harness(tiny_instance(demand=3, relay_capacity=2, stages=4), seed=7)
         h.run(20.0)
-        runs.append((h.routes(), h.sent, sorted(h.agents["dh"].flows)))
+        runs.append((h.routes(), h.sent, sorted(h.agents["dh"].state.flows)))
     assert runs[0] == runs[1]
 
 
@@ -263,26 +263,26 @@ def test_swap_next_hops_trades_tails_renames_them_and_scores_like_the_instance()
     before = h.routes()
     assert len(before) == 2
     a, b = h.agents["r1a"], h.agents["r1b"]
-    (ea,), (eb,) = a.flows.values(), b.flows.values()
+    (ea,), (eb,) = a.state.flows.values(), b.state.flows.values()
     route_a = next(r for r in before if r[1] == "r1a")
     route_b = next(r for r in before if r[1] == "r1b")
     effects = b.on_message("r1a", FlowQuery(tuple(sorted({ea.prev, ea.next or ""}))), h.now)
     (table,) = [eff.msg for eff in effects if isinstance(eff, Send)]
-    (score, index, mine), = list(a._swap_moves(table, [ea], dict(zip(table.link_nodes, table.link_costs_s))))
+    (score, _order, index, mine), = list(a.anneal.swap.moves(table, [ea], dict(zip(table.link_nodes, table.link_costs_s))))
     new_a, new_b = route_a[:2] + route_b[2:], route_b[:2] + route_a[2:]
     old_max = max(inst.route_cost_s(route_a), inst.route_cost_s(route_b))
     new_max = max(inst.route_cost_s(new_a), inst.route_cost_s(new_b))
     assert score[0] == pytest.approx(old_max - new_max)
-    a._propose("r1b", table, _Move(score[0], "swap_next", index, mine))
-    h.apply("r1a", a._flush())
+    a.anneal.propose("r1b", table, Choice(score[0], "swap_next", index, mine))
+    h.apply("r1a", a.state.flush())
     h.run(3.0)
     assert h.routes() == sorted([new_a, new_b])  # Harness.routes checks names and prevs hop by hop
     dh = h.agents["dh"]
-    for e in dh.flows.values():
+    for e in dh.state.flows.values():
         route = next(r for r in (new_a, new_b) if r[1] == e.next)
         assert e.prev == route[-1]  # the data holder learned its route's new last relay
         assert e.down_s == pytest.approx(inst.route_cost_s(route))
-    assert a.flows[ea.key].next == route_b[2] and b.flows[eb.key].next == route_a[2]
+    assert a.state.flows[ea.key].next == route_b[2] and b.state.flows[eb.key].next == route_a[2]
     assert all(n == 1 for n in _relay_flow_counts(h).values())
 
 
@@ -296,13 +296,13 @@ def _exchange_then_crash_the_proposer() -> tuple[Harness, Any, Any]:
     h.run(20.0)
     assert len(h.routes()) == 2
     a, b = h.agents["r2a"], h.agents["r2b"]
-    (ea,), (eb,) = a.flows.values(), b.flows.values()
+    (ea,), (eb,) = a.state.flows.values(), b.state.flows.values()
     effects = b.on_message("r2a", FlowQuery(tuple(sorted({ea.prev, ea.next or ""}))), h.now)
     (table,) = [eff.msg for eff in effects if isinstance(eff, Send)]
-    a._propose("r2b", table, _Move(0.0, "exchange", 0, ea))
-    h.apply("r2a", a._flush())
+    a.anneal.propose("r2b", table, Choice(0.0, "exchange", 0, ea))
+    h.apply("r2a", a.state.flush())
     h.step()  # r2b has the proposal and accepts; its answer is still on the way
-    assert eb.key not in b.flows and b.tombstones[eb.key][0] == "r2a" and ea.key in b.flows
+    assert eb.key not in b.state.flows and b.state.tombstones[eb.key][0] == "r2a" and ea.key in b.state.flows
     h.crash("r2a")
     return h, ea.key, eb.key
 
@@ -319,11 +319,11 @@ def test_a_tombstone_to_a_relay_that_died_mid_exchange_does_not_strand_the_route
     for nid, agent in h.agents.items():
         if nid in h.dead:
             continue
-        for e in agent.flows.values():
+        for e in agent.state.flows.values():
             assert "r2a" not in (e.prev, e.next), f"{nid} still routes {e.key} through the dead r2a"
     routes = h.routes()  # checks names and prevs hop by hop
     assert len(routes) == 1  # stage 2 has one survivor of capacity 1
-    assert len(h.agents["dh"].flows) == 1
+    assert len(h.agents["dh"].state.flows) == 1
     through = {nid: sum(nid in r for r in routes) for nid in _relay_flow_counts(h)}
     assert through == _relay_flow_counts(h)
 
@@ -339,8 +339,18 @@ def test_a_check_of_a_flow_at_a_dead_peer_fails_like_an_unanswered_one() -> None
     assert h.routes() == [("dh", "r1a", "r2a")]
     h.crash("r2b")
     r1a = h.agents["r1a"]
-    (e,) = r1a.flows.values()
+    (e,) = r1a.state.flows.values()
     e.next = "r2b"  # as a late notice would have left it
     h.run(2 * cfg.check_every_ticks * cfg.tick_s + 2.0)
     assert h.routes() == [("dh", "r1a", "r2a")]
     assert _relay_flow_counts(h) == {"r1a": 1, "r1b": 0, "r2a": 1}
+
+
+def test_every_move_kind_on_the_wire_has_one_strategy() -> None:
+    """The annealer dispatches a proposal by its kind: each kind the wire allows belongs to
+    exactly one move strategy, and every strategy's kinds are allowed on the wire."""
+    from gwtf.protocol.routing.messages import MOVE_KINDS
+
+    agent = FlowAgent(PeerInfo("r1a", 1, "a", 0.05, 1), 3, 1_000_000, FlowConfig(), random.Random(0))
+    kinds = [k for m in agent.anneal.moves for k in m.kinds]
+    assert sorted(kinds) == sorted(MOVE_KINDS) and len(set(kinds)) == len(kinds)

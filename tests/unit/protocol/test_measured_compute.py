@@ -18,8 +18,8 @@ from gwtf.flow.cost import edge_cost_s
 from gwtf.protocol import messages as m
 from gwtf.protocol.base import Send
 from gwtf.protocol.core import COMPUTE_ADVERT_GAP_S, COMPUTE_READVERTISE, NodeCore
-from gwtf.protocol.flow import FlowAgent
 from gwtf.protocol.router import LinkEstimate, PeerInfo
+from gwtf.protocol.routing import FlowAgent
 from gwtf.protocol.simple_router import GreedyRouter
 from gwtf.protocol.swarm import SwarmRouter
 
@@ -47,7 +47,7 @@ def _router(h: Harness, node: str) -> FlowAgent:
 def _flows_via(h: Harness) -> dict[str, int]:
     """The data holder's flows per first hop."""
     out = {"a0": 0, "a1": 0}
-    for e in _router(h, "d0").flows.values():
+    for e in _router(h, "d0").state.flows.values():
         if e.next in out and not e.pending:
             out[e.next] += 1
     return out
@@ -56,7 +56,7 @@ def _flows_via(h: Harness) -> dict[str, int]:
 def test_a_measured_compute_time_reaches_the_flow_costs_of_the_peers_that_price_it() -> None:
     h = _swarm()
     slow = h.cores["a1"]
-    before = _router(h, "d0").next_peers["a1"].cost_s
+    before = _router(h, "d0").state.next_peers["a1"].cost_s
     out = slow.on_compute_measured(h.now, 4.0)
     sent = {e.to for e in out if isinstance(e, Send) and isinstance(e.msg, m.ComputeUpdate)}
     assert sent == {"d0", "a0"}  # the data holder (prev and next stage) and the other replica
@@ -64,7 +64,7 @@ def test_a_measured_compute_time_reaches_the_flow_costs_of_the_peers_that_price_
         (("node", "a1"), ("stage", 1), ("compute_s", 4.0), ("previous_s", PLACEHOLDER_S))]
     assert slow.me.compute_s == 4.0 and slow.directory["a1"].compute_s == 4.0
     # the slow relay's own edges are re-priced at once (its router's view of itself)
-    own = _router(h, "a1").prev_peers["d0"]
+    own = _router(h, "a1").state.prev_peers["d0"]
     assert own.cost_s == edge_cost_s(4.0, PLACEHOLDER_S, own.link.latency_s, own.link.latency_s,
                                      own.link.bandwidth_bytes_per_s, own.link.bandwidth_bytes_per_s,
                                      TWO_STAGES.activation_bytes)
@@ -72,7 +72,7 @@ def test_a_measured_compute_time_reaches_the_flow_costs_of_the_peers_that_price_
     h.run(h.now + 1.0)
     dh = h.cores["d0"]
     assert dh.directory["a1"].compute_s == 4.0 and h.cores["a0"].directory["a1"].compute_s == 4.0
-    nb = _router(h, "d0").next_peers["a1"]
+    nb = _router(h, "d0").state.next_peers["a1"]
     assert nb.info.compute_s == 4.0
     assert nb.cost_s == edge_cost_s(PLACEHOLDER_S, 4.0, nb.link.latency_s, nb.link.latency_s,
                                     nb.link.bandwidth_bytes_per_s, nb.link.bandwidth_bytes_per_s,
@@ -97,7 +97,7 @@ def test_flows_leave_the_replica_that_measured_itself_slow(placeholder_s: float)
     h.apply(fast, h.cores[fast].on_compute_measured(h.now, 0.5))
     h.run(h.now + 60.0, stop=lambda: _flows_via(h)[fast] == 4)
     assert _flows_via(h) == {fast: 4, slow: 0}, f"after {h.now:.0f}s of simulated time"
-    assert h.cores[fast].router.flows and not _router(h, slow).flows
+    assert h.cores[fast].router.state.flows and not _router(h, slow).state.flows
 
 
 def test_small_changes_and_nonsense_are_not_advertised() -> None:
@@ -128,7 +128,7 @@ def test_a_member_advertising_an_impossible_compute_time_is_refused() -> None:
     out = dh.on_message("a1", m.ComputeUpdate(compute_s=math.inf), h.now)
     assert [e.event for e in out if isinstance(e, m.Record)] == ["message_refused"]
     assert dh.directory["a1"].compute_s == PLACEHOLDER_S
-    assert _router(h, "d0").next_peers["a1"].info.compute_s == PLACEHOLDER_S
+    assert _router(h, "d0").state.next_peers["a1"].info.compute_s == PLACEHOLDER_S
     stranger = dh.on_message("x9", m.ComputeUpdate(compute_s=2.0), h.now)
     assert [e.event for e in stranger if isinstance(e, m.Record)] == ["unauthorized"]
 

@@ -1,6 +1,6 @@
 """Messages of gwtf's decentralized flow protocol (TYPE names "flow.*"; docs/flow-protocol.md).
 
-Owns: the wire vocabulary of `protocol.flow.FlowAgent`: cost advertisements (distance vector),
+Owns: the wire vocabulary of `protocol.routing.FlowAgent`: cost advertisements (distance vector),
 hop-by-hop reservation (request / response / cancel / push back), cost and switch notices along a
 flow, consistency checks, and the annealing exchange between same-stage peers (query / table /
 propose / respond). A flow is named by (origin data holder, flow id) everywhere.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from gwtf.protocol.base import Message, message
 
 INF_COST_S = float("inf")
+MOVE_KINDS = frozenset({"redirect", "yield", "exchange", "swap_next"})  # FlowPropose.kind (routing.moves)
 
 
 @message
@@ -222,6 +223,11 @@ class FlowPropose(Message):
     my_up_prev_s: float = 0.0
     my_down_next_s: float = 0.0
     nonce: int = 0  # kind="swap_next": names the tail swap (FlowSwapTail) the move sets off
+
+    def validate(self) -> None:
+        """Called by the wire codec: a kind no move of `routing.moves` knows is refused."""
+        if self.kind not in MOVE_KINDS:
+            raise ValueError(f"unknown move kind {self.kind!r}")
 
 
 @message

@@ -1,11 +1,12 @@
-"""State and shared helpers of gwtf's flow agent: neighbour tables, flow table, cost adverts.
+"""The state a flow agent's parts share: neighbour tables, flow table, cost adverts, effects.
 
-Owns: `Neighbour`, `FlowEntry`, and `FlowCore`, the base class of `protocol.flow.FlowAgent`:
-the node's view of its previous / same / next-stage peers (edge cost d(i,j) from
-`flow.cost.edge_cost_s` with a symmetric estimate built from this node's own measurements), the
-flow table, the distance-vector cost to every target data holder (recomputed at most once per
-`advert_interval_s`, advertised to the previous stage when it changes), cost propagation along
-flows, and the effect buffer every handler fills.
+Owns: `Neighbour`, `FlowEntry`, and `FlowState`: the node's view of its previous / same /
+next-stage peers (edge cost d(i,j) from `flow.cost.edge_cost_s` with a symmetric estimate built
+from this node's own measurements), the flow table and hand-over tombstones, the distance-vector
+cost to every target data holder (recomputed at most once per `advert_interval_s`, advertised to
+the previous stage when it changes), cost propagation along flows, tick quiescence, and the
+effect buffer every part fills. The parts that act on it (`routing.reserve.Reservation`,
+`routing.anneal.Annealer` and its moves) hold a reference to the one `FlowState` of their agent.
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -21,8 +22,8 @@ import numpy as np
 from gwtf.config import FlowConfig
 from gwtf.flow.cost import edge_cost_s
 from gwtf.protocol.base import IdentityMemo, Message, NodeId, Send, SetTimer
-from gwtf.protocol.flow_messages import INF_COST_S, FlowAdvert, FlowCancel, FlowCost, FlowSwitch
 from gwtf.protocol.router import LinkEstimate, PeerInfo
+from gwtf.protocol.routing.messages import INF_COST_S, FlowAdvert, FlowCancel, FlowCost, FlowSwitch
 
 INF = INF_COST_S
 COST_EPS_S = 1e-9
@@ -155,8 +156,8 @@ class FlowEntry:
         return self.up_s + self.down_s
 
 
-class FlowCore:
-    """Tables and helpers shared by the reservation, repair and annealing parts of the agent."""
+class FlowState:
+    """What one node's flow agent knows, and the helpers every part of the agent uses on it."""
 
     def __init__(
         self, me: PeerInfo, stages: int, activation_bytes: int, cfg: FlowConfig, rng: random.Random
@@ -184,39 +185,36 @@ class FlowCore:
         self.aliases: dict[FlowKey, tuple[FlowKey, float]] = {}  # renamed flow -> (new name, until)
         self.messages_in = 0
         self.messages_out = 0
-        self._check_phase = rng.randrange(cfg.check_every_ticks)
+        self.check_phase = rng.randrange(cfg.check_every_ticks)
         self._out: list[Any] = []
-        self._dirty = False
-        self._advertised: tuple[tuple[str, ...], tuple[float, ...], bool] | None = None
-        self._early_adverts: dict[NodeId, Any] = {}  # adverts of peers not (yet) up, latest per sender
+        self.dirty = False
+        self.advertised: tuple[tuple[str, ...], tuple[float, ...], bool] | None = None
+        self.early_adverts: dict[NodeId, Any] = {}  # adverts of peers not (yet) up, latest per sender
         self._last_advert_s = -INF
-        self._advert_timer_set = False
+        self.advert_timer_set = False
         self._costs: tuple[tuple[str, ...], tuple[float, ...]] = ((), ())
         self.costs_dirty = True  # neighbour costs, links or membership changed since last recompute
         self.started_s = 0.0
         self._first_advert = True
-        self._tick_gap = cfg.tick_s  # current tick period (grows while quiet, see _next_tick)
-        self._tick_at = 0.0  # when the pending tick fires
+        self.tick_gap = cfg.tick_s  # current tick period (grows while quiet, see _next_tick)
+        self.tick_at = 0.0  # when the pending tick fires
         self._changed = False  # flows, peers or costs changed since the last tick
         # _current_costs' tables per target tuple, and the next peers that advertised since
         self._tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]] = {}
-        self._fresh_adverts: set[NodeId] = set()
+        self.fresh_adverts: set[NodeId] = set()
 
     # ------------------------------------------------------------------------------ effects
 
-    def set_me(self, me: PeerInfo) -> None:
-        """Router hook: a flow agent is rebuilt (`router_factory`) when its node changes stage."""
-
-    def on_release(self, peer: NodeId) -> None:
-        """Router hook: flow slots are reserved per route, not counted per microbatch."""
-
-    def _send(self, to: NodeId, msg: Message) -> None:
+    def send(self, to: NodeId, msg: Message) -> None:
         self.messages_out += 1
         self._out.append(Send(to, msg))
 
-    def _flush(self) -> list[Any]:
-        if self._dirty:
-            self._dirty = False
+    def timer(self, key: tuple[Any, ...], at: float) -> None:
+        self._out.append(SetTimer(key, at))
+
+    def flush(self) -> list[Any]:
+        if self.dirty:
+            self.dirty = False
             self._stirred()
             self._maybe_advert()
         out, self._out = self._out, []
@@ -224,34 +222,34 @@ class FlowCore:
 
     # --------------------------------------------------------------------- tick quiescence
 
-    def _next_tick(self) -> None:
+    def next_tick(self) -> None:
         """Schedule the next tick. With `tick_max_s` > `tick_s`, a tick after which nothing changed
         (no flow, peer, link or cost change, no reservation under way, no unmet data-holder demand)
         doubles the period up to `tick_max_s`, as Trickle (RFC 6206) does for gossip; any change
         brings it back to `tick_s` at once (`_stirred`). A converged swarm then stops probing."""
         cfg = self.cfg
         if cfg.tick_max_s > cfg.tick_s:
-            busy = self._changed or self._dirty or any(e.pending or e.locked for e in self.flows.values())
+            busy = self._changed or self.dirty or any(e.pending or e.locked for e in self.flows.values())
             if not busy and self.is_dh:
-                busy = self._spare() > 0
-            self._tick_gap = cfg.tick_s if busy else min(2.0 * self._tick_gap, cfg.tick_max_s)
+                busy = self.spare() > 0
+            self.tick_gap = cfg.tick_s if busy else min(2.0 * self.tick_gap, cfg.tick_max_s)
             self._changed = False
-        self._tick_at = self.now + self._tick_gap
-        self._out.append(SetTimer(("flow", "tick"), self._tick_at))
+        self.tick_at = self.now + self.tick_gap
+        self._out.append(SetTimer(("flow", "tick"), self.tick_at))
 
     def _stirred(self) -> None:
         """Something changed: the coming tick is not quiet, and a backed-off tick comes back."""
         self._changed = True
-        if self._tick_gap > self.cfg.tick_s:
-            self._tick_gap = self.cfg.tick_s
+        if self.tick_gap > self.cfg.tick_s:
+            self.tick_gap = self.cfg.tick_s
             at = self.now + self.cfg.tick_s
-            if at < self._tick_at:
-                self._tick_at = at
+            if at < self.tick_at:
+                self.tick_at = at
                 self._out.append(SetTimer(("flow", "tick"), at))
 
     # ------------------------------------------------------------------------------- peers
 
-    def _add_peer(self, info: PeerInfo, link: LinkEstimate) -> None:
+    def add_peer(self, info: PeerInfo, link: LinkEstimate) -> None:
         if info.id == self.me.id:
             return
         self.down_peers.pop(info.id, None)
@@ -262,9 +260,9 @@ class FlowCore:
             self.prev_peers[info.id] = nb
         if info.stage == self.me.stage:
             self.same_peers[info.id] = nb
-        self._dirty = self.costs_dirty = True
+        self.dirty = self.costs_dirty = True
 
-    def _remove_peer(self, peer: NodeId) -> None:
+    def remove_peer(self, peer: NodeId) -> None:
         down = self.down_peers
         down.pop(peer, None)
         if len(down) >= DOWN_PEERS_KEPT:
@@ -272,9 +270,9 @@ class FlowCore:
         down[peer] = None
         for table in (self.prev_peers, self.same_peers, self.next_peers):
             table.pop(peer, None)
-        self._dirty = self.costs_dirty = True
+        self.dirty = self.costs_dirty = True
 
-    def _update_link(self, peer: NodeId, link: LinkEstimate) -> bool:
+    def update_link(self, peer: NodeId, link: LinkEstimate) -> bool:
         """Re-price the edge to `peer`; False if the peer is unknown."""
         found = False
         for table in (self.prev_peers, self.same_peers, self.next_peers):
@@ -283,10 +281,10 @@ class FlowCore:
                 nb.link = link
                 nb.cost_s = self._edge_cost(nb.info, link)
                 found = True
-        self._dirty = self.costs_dirty = found
+        self.dirty = self.costs_dirty = found
         return found
 
-    def _update_compute(self, peer: NodeId, compute_s: float) -> bool:
+    def update_compute(self, peer: NodeId, compute_s: float) -> bool:
         """Re-price the edges that use `peer`'s compute time (every edge when `peer` is me);
         False if the peer is unknown."""
         mine = peer == self.me.id
@@ -301,7 +299,7 @@ class FlowCore:
                     continue
                 nb.cost_s = self._edge_cost(nb.info, nb.link)
                 found = True
-        self._dirty = self.costs_dirty = found
+        self.dirty = self.costs_dirty = found
         return found
 
     def _edge_cost(self, info: PeerInfo, link: LinkEstimate) -> float:
@@ -319,29 +317,29 @@ class FlowCore:
     def load(self) -> int:
         return len(self.flows) + self.reserved
 
-    def _spare(self) -> int:
+    def spare(self) -> int:
         """Flows I could still take: relays up to capacity, data holders up to their demand."""
         limit = min(self.me.demand, self.me.capacity) if self.is_dh else self.me.capacity
         return limit - self.load
 
-    def _has_capacity(self) -> bool:
+    def has_capacity(self) -> bool:
         """Can I take one more new flow: spare capacity here and some next-stage peer that can?"""
         if self.load >= self.me.capacity:
             return False
         return self.is_last or any(nb.has_capacity for nb in self.next_peers.values())
 
-    def _forget(self, e: FlowEntry) -> None:
+    def forget(self, e: FlowEntry) -> None:
         if self.flows.get(e.key) is e:
             del self.flows[e.key]
-            self._dirty = True
+            self.dirty = True
 
-    def _drop(self, e: FlowEntry, cancel_next: bool) -> None:
+    def drop(self, e: FlowEntry, cancel_next: bool) -> None:
         """Release `e` here; with `cancel_next`, release it downstream too (not at the origin)."""
-        self._forget(e)
+        self.forget(e)
         if cancel_next and e.next is not None and e.next != e.origin:
-            self._send(e.next, FlowCancel(e.origin, e.flow_id))
+            self.send(e.next, FlowCancel(e.origin, e.flow_id))
 
-    def _find(self, origin: NodeId, flow_id: int) -> FlowEntry | None:
+    def find(self, origin: NodeId, flow_id: int) -> FlowEntry | None:
         """The entry of a flow, following a rename (a yielded flow keeps its old name a while)."""
         e = self.flows.get((origin, flow_id))
         if e is None:
@@ -350,7 +348,7 @@ class FlowCore:
                 e = self.flows.get(alias[0])
         return e
 
-    def _expire_tombstones(self) -> None:
+    def expire_tombstones(self) -> None:
         for table in (self.tombstones, self.aliases):
             dead = [k for k, (_, until) in table.items() if until < self.now]
             for k in dead:
@@ -358,7 +356,7 @@ class FlowCore:
 
     # ----------------------------------------------------------------------- cost adverts
 
-    def _cost_vector(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    def cost_vector(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
         """(targets, costs) sorted by target; recomputed only when something it depends on changed."""
         if self.costs_dirty:
             self.costs_dirty = False
@@ -366,13 +364,13 @@ class FlowCore:
             if fast is not None:
                 self._costs = fast
             else:
-                costs = self._current_costs()
+                costs = self.current_costs()
                 targets = shared_targets(tuple(sorted(costs)))
                 self._costs = (targets, tuple(costs[t] for t in targets))
         return self._costs
 
     def _one_group_costs(self) -> tuple[tuple[str, ...], tuple[float, ...]] | None:
-        """`_current_costs` for the usual case, kept in numpy end to end: every next peer that
+        """`current_costs` for the usual case, kept in numpy end to end: every next peer that
         advertised named the same targets, one shared sorted tuple (`shared_targets`), so the
         result is already in target order. None when that does not hold (the general path then
         runs). Same floats as the general path: the same adds and mins, in IEEE double."""
@@ -396,7 +394,7 @@ class FlowCore:
         tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]] = {}
         mins = self._group_mins(targets, peers, tables)
         self._tables = tables
-        self._fresh_adverts.clear()
+        self.fresh_adverts.clear()
         finite = mins < INF
         if not bool(finite.all()):
             targets = shared_targets(tuple(t for t, ok in zip(targets, finite.tolist()) if ok))
@@ -407,13 +405,13 @@ class FlowCore:
         return targets, costs
 
     def cost_to(self, target: NodeId) -> float:
-        targets, costs = self._cost_vector()
+        targets, costs = self.cost_vector()
         for t, c in zip(targets, costs):
             if t == target:
                 return c
         return INF
 
-    def _current_costs(self) -> dict[NodeId, float]:
+    def current_costs(self) -> dict[NodeId, float]:
         """Least cost from me to each target data holder over live peers (distance vector).
 
         Capacity is deliberately left out of the costs (it travels as the `has_capacity` flag):
@@ -454,7 +452,7 @@ class FlowCore:
                 if v < best.get(t, INF):
                     best[t] = v
         self._tables = tables
-        self._fresh_adverts.clear()
+        self.fresh_adverts.clear()
         return best
 
     def _group_mins(self, targets: tuple[str, ...], peers: list[Neighbour],
@@ -475,7 +473,7 @@ class FlowCore:
         cached = self._tables.get(targets)
         if cached is not None and cached[0] == ids:
             index, table = cached[1], cached[2]
-            for pid in self._fresh_adverts:
+            for pid in self.fresh_adverts:
                 i = index.get(pid)
                 if i is not None:
                     table[i] = _arrays(peers[i].vec[1])  # type: ignore[index]
@@ -493,26 +491,26 @@ class FlowCore:
             return
         due = self._last_advert_s + self.cfg.advert_interval_s
         if self.now < due:
-            if not self._advert_timer_set:
-                self._advert_timer_set = True
+            if not self.advert_timer_set:
+                self.advert_timer_set = True
                 self._out.append(SetTimer(("flow", "advert"), due))
             return
         self._last_advert_s = self.now
-        targets, costs = self._cost_vector()
-        state = (targets, costs, self._has_capacity())
-        if state == self._advertised or self._within_tolerance(state):
+        targets, costs = self.cost_vector()
+        state = (targets, costs, self.has_capacity())
+        if state == self.advertised or self._within_tolerance(state):
             return
-        self._advertised = state
+        self.advertised = state
         msg = FlowAdvert(*state)
         for pid in self.prev_peers:
-            self._send(pid, msg)
+            self.send(pid, msg)
 
     def _within_tolerance(self, state: tuple[tuple[str, ...], tuple[float, ...], bool]) -> bool:
         """Same targets and capacity flag, and every cost within `advert_tolerance` (relative) of
         what was last advertised: not worth a message to every previous-stage peer. The
         comparison is with the advertised costs, so slow drift is still sent once it adds up."""
         tol = self.cfg.advert_tolerance
-        old = self._advertised
+        old = self.advertised
         if tol <= 0.0 or old is None or old[0] != state[0] or old[2] != state[2]:
             return False
         new_c = _arrays(state[1])
@@ -527,8 +525,8 @@ class FlowCore:
         hold_until = self.started_s + 3 * self.cfg.tick_s
         silent = not self.next_peers or any(not nb.heard() for nb in self.next_peers.values())
         if self.now < hold_until and silent:
-            if not self._advert_timer_set:
-                self._advert_timer_set = True
+            if not self.advert_timer_set:
+                self.advert_timer_set = True
                 self._out.append(SetTimer(("flow", "advert"), hold_until))
             return True
         self._first_advert = False
@@ -536,7 +534,7 @@ class FlowCore:
 
     # ------------------------------------------------------------------- costs along flows
 
-    def _set_up(self, e: FlowEntry, up_prev_s: float) -> None:
+    def set_up(self, e: FlowEntry, up_prev_s: float) -> None:
         """New cost at my prev: update my up cost and pass a change downstream."""
         e.up_prev_s = up_prev_s
         up = up_prev_s + self.link_s(e.prev)
@@ -544,9 +542,9 @@ class FlowCore:
             return
         e.up_s = up
         if e.next is not None and e.next != e.origin and not e.pending:
-            self._send(e.next, FlowCost(e.origin, e.flow_id, "prev", up))
+            self.send(e.next, FlowCost(e.origin, e.flow_id, "prev", up))
 
-    def _set_down(self, e: FlowEntry, down_next_s: float, last: str = "") -> None:
+    def set_down(self, e: FlowEntry, down_next_s: float, last: str = "") -> None:
         """New cost at my next: update my down cost and pass a change upstream."""
         e.down_next_s = down_next_s
         down = (self.link_s(e.next) if e.next is not None else INF) + down_next_s
@@ -554,11 +552,11 @@ class FlowCore:
             return
         e.down_s = down
         if not self.is_dh:
-            self._send(e.prev, FlowCost(e.origin, e.flow_id, "next", down, last))
+            self.send(e.prev, FlowCost(e.origin, e.flow_id, "next", down, last))
 
     # --------------------------------------------------------------- moves: hand-over
 
-    def _install(
+    def install(
         self, origin: NodeId, flow_id: int, prev: NodeId, nxt: NodeId, up_prev_s: float, down_next_s: float
     ) -> FlowEntry:
         e = FlowEntry(origin=origin, flow_id=flow_id, prev=prev, next=nxt, since_s=self.now)
@@ -566,12 +564,19 @@ class FlowCore:
         e.down_next_s, e.down_s = down_next_s, self.link_s(nxt) + down_next_s
         self.flows[e.key] = e
         self.tombstones.pop(e.key, None)
-        self._dirty = True
+        self.dirty = True
         return e
 
-    def _announce(self, e: FlowEntry, old: NodeId) -> None:
+    def announce(self, e: FlowEntry, old: NodeId) -> None:
         """Tell the flow's prev and next that I replaced `old` on it."""
         me = self.me.id
-        self._send(e.prev, FlowSwitch(e.origin, e.flow_id, "next", old, me, e.down_s))
+        self.send(e.prev, FlowSwitch(e.origin, e.flow_id, "next", old, me, e.down_s))
         if e.next is not None:
-            self._send(e.next, FlowSwitch(e.origin, e.flow_id, "prev", old, me, e.up_s))
+            self.send(e.next, FlowSwitch(e.origin, e.flow_id, "prev", old, me, e.up_s))
+
+    def new_flow_id(self) -> int:
+        """A fresh flow id of mine: not held, and not a recent hand-over's tombstone."""
+        while True:
+            fid = self.rng.getrandbits(31)
+            if (self.me.id, fid) not in self.flows and (self.me.id, fid) not in self.tombstones:
+                return fid

@@ -1,0 +1,410 @@
+"""The annealing moves of gwtf's flow agent, one strategy object each (PAPER.md 3.3.4).
+
+Owns: the `Move` protocol and its three strategies, which `routing.anneal.Annealer` asks to
+score a same-stage peer's table, to propose, to accept (at the peer) and to finish:
+
+- `Redirect`: A (spare capacity) takes over B's flow p -> B -> n, which becomes p -> A -> n
+  (kind "yield" between data holders, where the route changes owner by renaming);
+- `Exchange`: A and B swap one flow each (p_a -> A -> n_a becomes p_a -> B -> n_a and vice
+  versa), capacity-neutral, so full nodes can still trade;
+- `SwapNext` (`flow.anneal_swap_next`, PAPER.md 3.3.4 Move 1): A and B swap the next hops of two
+  flows of the same origin, so two routes trade their whole tails, which single-stage moves
+  cannot do when every intermediate step is worse; every node after the swap stage then trades
+  the two flows' names (FlowSwapTail).
+
+Each strategy scores its candidates on the min-max rule (decrease of the max cost of the
+affected routes, the decrease of their sum breaking ties) and names each with an order key; the
+annealer takes the best score, the lowest key among equals, so the choice does not depend on
+how the strategies are listed.
+
+Tail renaming: relays A and B of one stage carry fa = ha -> A -> na -> ta and fb = hb -> B -> nb
+-> tb of one origin; the swap rewires A -> nb and B -> na. A node on both tails swaps both entries
+at once (the renaming never collides); a nonce makes the second notice a cost update only. The
+first hops (na, nb) also replace their prev (`old_prev`); the last relays report themselves to
+the data holder (`FlowCost.last`), which records its routes' new last relays.
+
+Must not import torch, asyncio, socket, threading or time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gwtf.protocol.base import Message, NodeId
+from gwtf.protocol.routing.messages import (
+    FlowCancel,
+    FlowCost,
+    FlowPropose,
+    FlowRespond,
+    FlowSwapTail,
+    FlowSwitch,
+    FlowTable,
+)
+from gwtf.protocol.routing.state import INF, FlowEntry, FlowKey
+
+if TYPE_CHECKING:
+    from gwtf.protocol.routing.anneal import Annealer
+
+Score = tuple[float, float]  # (decrease of the max of the affected routes, decrease of their sum)
+Order = tuple[int, ...]  # where a candidate stands in the scan of a table (ties go to the lowest)
+
+
+@dataclass(slots=True)
+class Busy:
+    """The one annealing interaction a node has under way."""
+
+    kind: str  # "query" or the proposed move's kind
+    peer: NodeId
+    since_s: float
+    their_key: FlowKey | None = None
+    my_key: FlowKey | None = None
+    my_prev: NodeId = ""
+    my_next: NodeId = ""
+    nonce: int = 0
+    reserved: bool = False  # a slot of my capacity is held for the flow I take
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A move picked from a peer's table."""
+
+    delta_s: float  # improvement of max(affected) (or of the sum when the max ties); > 0 is better
+    kind: str
+    index: int  # row of the peer's table
+    mine: FlowEntry | None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    order: Order
+    score: Score
+    kind: str
+    index: int
+    mine: FlowEntry | None
+
+
+@dataclass(slots=True)
+class Offer:
+    """A same-stage peer's table as the moves score it, with what every move needs computed once."""
+
+    msg: FlowTable
+    links_b: dict[NodeId, float]  # the peer's link costs to my flows' neighbours
+    own: list[tuple[FlowEntry, float, float]]  # my movable flows, with the peer's d(prev), d(next)
+    rows: list[tuple[int, float, float]]  # (row, its route cost, its cost were it mine), rows I could host
+    spare: int  # flows I could take without giving one
+
+
+class Move(Protocol):
+    """One kind of annealing move: scored at A, accepted at B, finished at A."""
+
+    kinds: tuple[str, ...]
+
+    def best(self, offer: Offer) -> Candidate | None:
+        """The best of this move's candidates in `offer` (the first in order among equal scores)."""
+        ...
+
+    def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
+        """A: lock or reserve what the move needs (recorded in `busy`); the proposal to send."""
+        ...
+
+    def acceptable(self, e: FlowEntry, msg: FlowPropose) -> bool:
+        """B: the move's own conditions, beyond "my flow is still as offered"."""
+        ...
+
+    def accept(self, sender: NodeId, e: FlowEntry, msg: FlowPropose) -> None:
+        """B: carry the move out and answer."""
+        ...
+
+    def finish(self, sender: NodeId, busy: Busy, msg: FlowRespond) -> None:
+        """A: the peer accepted; carry out my side."""
+        ...
+
+    def handlers(self) -> dict[type[Message], Callable[[NodeId, Any], None]]:
+        """Messages of its own beyond the annealing exchange."""
+        ...
+
+    def on_tick(self) -> None: ...
+
+
+def _pick(best: Candidate | None, order: Order, score: Score, kind: str, i: int, mine: FlowEntry | None
+          ) -> Candidate | None:
+    return Candidate(order, score, kind, i, mine) if best is None or score > best.score else best
+
+
+class Redirect:
+    """Take one of the peer's flows into my spare capacity."""
+
+    kinds: tuple[str, ...] = ("redirect", "yield")
+
+    def __init__(self, anneal: Annealer) -> None:
+        self.anneal = anneal
+
+    def best(self, offer: Offer) -> Candidate | None:
+        if offer.spare <= 0:
+            return None
+        kind = "yield" if self.anneal.state.is_dh else "redirect"
+        best: Candidate | None = None
+        for i, c_b, c_b_new in offer.rows:
+            best = _pick(best, (0, i, 0, 0), (c_b - c_b_new, c_b - c_b_new), kind, i, None)
+        return best
+
+    def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
+        st = self.anneal.state
+        st.reserved += 1
+        st.dirty = True
+        busy.reserved = True
+        i = choice.index
+        return FlowPropose(choice.kind, msg.origins[i], msg.flow_ids[i], msg.prevs[i], msg.nexts[i])
+
+    def acceptable(self, e: FlowEntry, msg: FlowPropose) -> bool:
+        return True
+
+    def accept(self, sender: NodeId, e: FlowEntry, msg: FlowPropose) -> None:
+        self.anneal.give(sender, e)
+        self.anneal.answer_given(sender, e)
+
+    def finish(self, sender: NodeId, busy: Busy, msg: FlowRespond) -> None:
+        if busy.kind == "yield" or self.anneal.state.is_dh:
+            self.anneal.take_route(sender, busy, msg)
+        else:
+            self.anneal.take_flow(sender, msg)
+
+    def handlers(self) -> dict[type[Message], Callable[[NodeId, Any], None]]:
+        return {}
+
+    def on_tick(self) -> None:
+        pass
+
+
+class Exchange:
+    """Trade one of my flows for one of the peer's (capacity-neutral)."""
+
+    kinds: tuple[str, ...] = ("exchange",)
+
+    def __init__(self, anneal: Annealer) -> None:
+        self.anneal = anneal
+
+    def best(self, offer: Offer) -> Candidate | None:
+        up_prev = self.anneal.up_prev
+        best: Candidate | None = None
+        for i, c_b, c_b_new in offer.rows:
+            for j, (e, b_prev, b_next) in enumerate(offer.own):
+                if b_prev == INF or b_next == INF:
+                    continue
+                c_a = e.up_s + e.down_s
+                c_a_new = up_prev(e) + b_prev + b_next + e.down_next_s
+                score = (max(c_a, c_b) - max(c_a_new, c_b_new), c_a + c_b - c_a_new - c_b_new)
+                best = _pick(best, (0, i, 1, j), score, "exchange", i, e)
+        return best
+
+    def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
+        e, i = choice.mine, choice.index
+        assert e is not None
+        e.locked = True
+        busy.my_key, busy.my_prev, busy.my_next = e.key, e.prev, e.next or ""
+        return FlowPropose(
+            "exchange", msg.origins[i], msg.flow_ids[i], msg.prevs[i], msg.nexts[i],
+            e.origin, e.flow_id, e.prev, e.next or "", self.anneal.up_prev(e), e.down_next_s,
+        )
+
+    def acceptable(self, e: FlowEntry, msg: FlowPropose) -> bool:
+        st = self.anneal.state
+        return ((msg.my_origin, msg.my_flow_id) not in st.flows
+                and msg.my_prev in st.prev_peers and msg.my_next in st.next_peers)
+
+    def accept(self, sender: NodeId, e: FlowEntry, msg: FlowPropose) -> None:
+        a = self.anneal
+        st = a.state
+        a.give(sender, e)
+        if st.is_dh:  # between data holders routes change owner by renaming
+            a.adopt(msg.my_origin, msg.my_flow_id, msg.my_prev, msg.my_next, msg.my_up_prev_s, msg.my_down_next_s)
+        else:
+            mine = st.install(msg.my_origin, msg.my_flow_id, msg.my_prev, msg.my_next, msg.my_up_prev_s,
+                              msg.my_down_next_s)
+            st.announce(mine, old=sender)
+        a.answer_given(sender, e)
+
+    def finish(self, sender: NodeId, busy: Busy, msg: FlowRespond) -> None:
+        if self.anneal.state.is_dh:
+            self.anneal.take_route(sender, busy, msg)
+        else:
+            self.anneal.take_flow(sender, msg)
+            self.anneal.hand_over(busy, sender)
+
+    def handlers(self) -> dict[type[Message], Callable[[NodeId, Any], None]]:
+        return {}
+
+    def on_tick(self) -> None:
+        pass
+
+
+class SwapNext:
+    """Swap the next hops of two same-origin flows (whole tails), and rename the tails after it."""
+
+    kinds: tuple[str, ...] = ("swap_next",)
+
+    def __init__(self, anneal: Annealer) -> None:
+        self.anneal = anneal
+        self._swaps: dict[int, float] = {}  # nonce of a tail swap already applied here -> until
+        self._deferred: list[tuple[NodeId, FlowSwapTail]] = []  # notices held while a move of mine names the flows
+        self.aliases: dict[FlowKey, tuple[FlowKey, float]] = {}
+        """At A and B: my flow -> (the name its new tail has until the notice renames it, until)."""
+        self.tail_swaps = 0  # swaps this node completed as proposer
+
+    def handlers(self) -> dict[type[Message], Callable[[NodeId, Any], None]]:
+        return {FlowSwapTail: self._on_swap_tail}
+
+    def on_tick(self) -> None:
+        now = self.anneal.state.now
+        for nonce in [n for n, until in self._swaps.items() if until < now]:
+            del self._swaps[nonce]
+        for key in [k for k, (_, until) in self.aliases.items() if until < now]:
+            del self.aliases[key]
+        if self._deferred and self.anneal.busy is None:
+            deferred, self._deferred = self._deferred, []
+            for sender, msg in deferred:
+                self._on_swap_tail(sender, msg)
+
+    def _blocked(self, keys: set[FlowKey]) -> bool:
+        """A move of mine under way names one of `keys`: rename after it ends."""
+        busy = self.anneal.busy
+        flows = self.anneal.state.flows
+        return busy is not None and busy.my_key in keys or any(
+            e.locked for e in (flows.get(k) for k in keys) if e is not None
+        )
+
+    # --------------------------------------------------------------------------- A: score
+
+    def best(self, offer: Offer) -> Candidate | None:
+        best: Candidate | None = None
+        for score, order, i, e in self.moves(offer.msg, [e for e, _, _ in offer.own], offer.links_b):
+            best = _pick(best, order, score, "swap_next", i, e)
+        return best
+
+    def moves(self, msg: FlowTable, own: list[FlowEntry], links_b: dict[NodeId, float]) -> Iterator[
+        tuple[Score, Order, int, FlowEntry]
+    ]:
+        """Every swap of one of my flows with a same-origin flow of the peer, with its score."""
+        st = self.anneal.state
+        if st.is_dh or st.is_last or not st.cfg.anneal_swap_next:
+            return
+        for i, (origin, fid) in enumerate(zip(msg.origins, msg.flow_ids)):
+            n_b = msg.nexts[i]
+            a_nb = st.link_s(n_b)
+            if a_nb == INF:
+                continue
+            up_b = msg.up_prev_s[i] + msg.link_prev_s[i]
+            c_b = up_b + msg.link_next_s[i] + msg.down_next_s[i]
+            for j, e in enumerate(own):
+                if e.origin != origin or e.flow_id == fid or e.next in (None, n_b):
+                    continue
+                b_na = links_b.get(e.next or "", INF)
+                if b_na == INF:
+                    continue
+                c_a = e.up_s + e.down_s
+                c_a_new = e.up_s + a_nb + msg.down_next_s[i]
+                c_b_new = up_b + b_na + e.down_next_s
+                yield (max(c_a, c_b) - max(c_a_new, c_b_new), c_a + c_b - c_a_new - c_b_new), (1, i, j), i, e
+
+    def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
+        e, i = choice.mine, choice.index
+        assert e is not None
+        e.locked = True
+        busy.my_key, busy.my_prev, busy.my_next = e.key, e.prev, e.next or ""
+        busy.nonce = self.anneal.state.rng.getrandbits(31)
+        return FlowPropose(
+            "swap_next", msg.origins[i], msg.flow_ids[i], msg.prevs[i], msg.nexts[i],
+            e.origin, e.flow_id, e.prev, e.next or "", e.up_s, e.down_next_s, busy.nonce,
+        )
+
+    # ---------------------------------------------------------------------------- B: accept
+
+    def acceptable(self, e: FlowEntry, msg: FlowPropose) -> bool:
+        st = self.anneal.state
+        return (
+            not (st.is_dh or st.is_last) and msg.my_origin == msg.origin
+            and msg.my_next in st.next_peers and msg.my_next != e.next
+            and (msg.my_origin, msg.my_flow_id) not in st.flows
+        )
+
+    def accept(self, sender: NodeId, e: FlowEntry, msg: FlowPropose) -> None:
+        """Rewire my flow to the proposer's next hop; its tail gets my flow's name."""
+        st = self.anneal.state
+        old_next, old_down = e.next or "", e.down_next_s
+        e.next, e.since_s = msg.my_next, st.now
+        st.set_down(e, msg.my_down_next_s)
+        self.aliases[e.key] = ((e.origin, msg.my_flow_id), st.now + st.cfg.request_timeout_s)
+        st.send(msg.my_next, FlowSwapTail(
+            e.origin, msg.my_flow_id, e.flow_id, msg.nonce, e.flow_id, st.me.id, sender, e.up_s))
+        st.send(sender, FlowRespond(True, e.origin, e.flow_id, e.prev, old_next, e.up_prev_s, old_down))
+
+    # -------------------------------------------------------------------------- A: finish
+
+    def finish(self, sender: NodeId, busy: Busy, msg: FlowRespond) -> None:
+        """The peer rewired; rewire mine to its old next hop (msg.next), whose tail takes my name."""
+        st = self.anneal.state
+        assert busy.my_key is not None
+        mine = st.flows.get(busy.my_key)
+        if mine is None or mine.pending:  # my flow is gone meanwhile: release the headless tail
+            st.send(msg.next, FlowCancel(msg.origin, msg.flow_id, force=True))
+            return
+        # (if my next hop handed my tail over meanwhile, the peer's notice followed its tombstone)
+        mine.next, mine.since_s = msg.next, st.now
+        self.tail_swaps += 1
+        st.set_down(mine, msg.down_next_s)
+        self.aliases[mine.key] = ((mine.origin, msg.flow_id), st.now + st.cfg.request_timeout_s)
+        st.send(msg.next, FlowSwapTail(
+            mine.origin, mine.flow_id, msg.flow_id, busy.nonce, mine.flow_id, st.me.id, sender, mine.up_s))
+
+    # ------------------------------------------------------------------------- tail nodes
+
+    def _on_swap_tail(self, sender: NodeId, msg: FlowSwapTail) -> None:
+        st = self.anneal.state
+        renamed: list[FlowEntry] = []
+        fresh = msg.nonce not in self._swaps
+        if fresh:
+            if self._blocked({(msg.origin, msg.a), (msg.origin, msg.b)}):
+                self._deferred.append((sender, msg))
+                return
+            renamed = self._swap_names(msg.origin, msg.a, msg.b)
+            if renamed:
+                self._swaps[msg.nonce] = st.now + st.cfg.tombstone_s
+        e = st.flows.get((msg.origin, msg.flow_id))
+        if e is None:  # handed over before the notice came: pass it to the holder
+            before = msg.b if msg.flow_id == msg.a else msg.a
+            stone = st.tombstones.get((msg.origin, before))
+            if stone is not None and msg.ttl > 0:
+                st.send(stone[0], dataclasses.replace(msg, ttl=msg.ttl - 1))
+        elif not st.is_dh:
+            if msg.old_prev and e.prev == msg.old_prev:
+                e.prev, e.since_s = msg.prev, st.now
+                if sender != msg.prev:  # came along a tombstone: my new prev points at the forwarder
+                    st.send(e.prev, FlowSwitch(e.origin, e.flow_id, "next", sender, st.me.id, e.down_s))
+            if e.prev == msg.prev:
+                if fresh:
+                    e.up_prev_s, e.up_s = msg.up_s, msg.up_s + st.link_s(e.prev)
+                else:
+                    st.set_up(e, msg.up_s)
+            if st.is_last:  # the data holder learns its route's (new) last relay and cost
+                st.send(e.prev, FlowCost(e.origin, e.flow_id, "next", e.down_s, st.me.id))
+        for f in renamed:
+            if f.next is not None and not f.pending and f.next != f.origin:
+                st.send(f.next, FlowSwapTail(
+                    f.origin, msg.a, msg.b, msg.nonce, f.flow_id, st.me.id, "", f.up_s))
+
+    def _swap_names(self, origin: NodeId, a: int, b: int) -> list[FlowEntry]:
+        """Exchange the names (origin, a) and (origin, b) of whatever I hold; the renamed entries."""
+        st = self.anneal.state
+        ka, kb = (origin, a), (origin, b)
+        ea, eb = st.flows.pop(ka, None), st.flows.pop(kb, None)
+        out: list[FlowEntry] = []
+        for e, fid in ((ea, b), (eb, a)):
+            if e is not None:
+                e.flow_id, e.since_s = fid, st.now
+                st.flows[e.key] = e
+                out.append(e)
+        st.dirty = st.dirty or bool(out)
+        return out
