@@ -25,7 +25,9 @@ The grid (`grid_cells`): model family x churn x regime x GPU mix, 2 x 4 x 3 x 3 
   them (one run per family x regime x mix x seed, shared by the cell's churn levels). It is the
   optimum of the routing objective (max flow, then min-max route cost), not of iteration time:
   it models no queueing of several microbatches on one GPU and no stage moves, so a system can
-  exceed 1.0 of it (the compute-bound uniform cells do).
+  exceed 1.0 of it (gwtf's and SWARM's stage moves change the instance it was solved on; the
+  compute-bound uniform cells stack microbatches). TODO(optimum-upper-bound): a true upper bound
+  needs the optimum over stage assignments too (or the routes re-solved after every move).
 
 Every run of a (cell, seed) pair uses the same generated instance and the same churn trace
 (drawn from the scenario seed before any system-specific event). Per cell and system: median
@@ -292,7 +294,7 @@ def run_one(job: Job) -> dict[str, Any]:
         "throughput_mb_per_s": s["throughput_microbatches_per_s"], "gpu_waste": s["gpu_waste_fraction"],
         "idle": s["idle_fraction"], "discarded": s["discarded_fraction"], "dropped": s["microbatches_dropped"],
         "violations": s["invariant_violations"], "crashes": s["crashes"], "moves": s["counters"].get("join", 0),
-        "busy_s": s["busy_s"], "discarded_s": s["discarded_s"], **extra}
+        "busy_s": s["busy_s"], "discarded_s": s["discarded_s"], "stop_reason": s["stop_reason"], **extra}
     if job.plot_dir:
         row["plot"] = RunPlotData(summary=s, rows=sim.metrics.timeline_rows(),
                                   crash_times_s=tuple(sim.metrics.crash_times), join_times_s=tuple(joins))
@@ -438,13 +440,16 @@ def write_heatmap(summaries: Sequence[CellSummary], path: Path) -> None:
     cols = [c for c in CHURN if any(s.cell.churn == c for s in summaries)]
     fig, axes = plt.subplots(1, len(SWARMS), figsize=(4.2 * len(SWARMS) + 1.5, 0.42 * len(rows) + 1.8),
                              squeeze=False)
-    for ax, sw in zip(axes[0], SWARMS, strict=True):
-        grid = np.full((len(rows), len(cols)), np.nan)
-        for s in summaries:
+    grids = {sw: np.full((len(rows), len(cols)), np.nan) for sw in SWARMS}
+    for s in summaries:
+        for sw, grid in grids.items():
             if sw in s.reduction and s.reduction[sw].n:
                 grid[rows.index((s.cell.family, s.cell.regime, s.cell.mix)), cols.index(s.cell.churn)] = \
                     100.0 * s.reduction[sw].median
-        lim = max(5.0, float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 5.0)
+    finite = [abs(v) for g in grids.values() for v in g.flat if np.isfinite(v)]
+    lim = max([5.0, *finite])  # one colour scale for both panels
+    for ax, sw in zip(axes[0], SWARMS, strict=True):
+        grid = grids[sw]
         im = ax.imshow(grid, cmap="RdYlGn", vmin=-lim, vmax=lim, aspect="auto")
         for (i, j), v in np.ndenumerate(grid):
             if np.isfinite(v):
