@@ -441,6 +441,8 @@ def write_heatmap(summaries: Sequence[CellSummary], path: Path) -> None:
     fig, axes = plt.subplots(1, len(SWARMS), figsize=(4.2 * len(SWARMS) + 1.5, 0.42 * len(rows) + 1.8),
                              squeeze=False)
     grids = {sw: np.full((len(rows), len(cols)), np.nan) for sw in SWARMS}
+    unfinished = {(rows.index((s.cell.family, s.cell.regime, s.cell.mix)), cols.index(s.cell.churn))
+                  for s in summaries if s.unfinished}
     for s in summaries:
         for sw, grid in grids.items():
             if sw in s.reduction and s.reduction[sw].n:
@@ -453,13 +455,16 @@ def write_heatmap(summaries: Sequence[CellSummary], path: Path) -> None:
         im = ax.imshow(grid, cmap="RdYlGn", vmin=-lim, vmax=lim, aspect="auto")
         for (i, j), v in np.ndenumerate(grid):
             if np.isfinite(v):
-                ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=8)
+                ax.text(j, i, f"{v:.1f}" + ("*" if (i, j) in unfinished else ""), ha="center", va="center",
+                        fontsize=8)
         ax.set_xticks(range(len(cols)), [f"{c}/h" for c in cols])
         ax.set_yticks(range(len(rows)), ["/".join(r) for r in rows])
         ax.set_xlabel("crashes per node-hour")
         ax.set_title(f"gwtf vs {SHORT[sw]}: time reduction %", fontsize=10)
         fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.tight_layout()
+    if unfinished:
+        fig.text(0.01, 0.01, "* a run of the cell did not finish (its time is sim.max_time_s)", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04 if unfinished else 0, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -191,7 +191,7 @@ def test_missing_optimum_shows_a_dash_and_one_seed_no_range(hl: ModuleType) -> N
 def test_heatmap_is_a_png(hl: ModuleType, tmp_path: Path) -> None:
     cell = hl.Cell("gpt", "0.33", "compute", "half-slow")
     rows = [_row(hl, cell, 0, "gwtf", 90.0, 1.0), _row(hl, cell, 0, "swarm-released", 100.0, 1.0),
-            _row(hl, cell, 0, "swarm", 80.0, 1.0)]
+            _row(hl, cell, 0, "swarm", 80.0, 1.0, finished=False)]  # marked "*", still drawn
     out = tmp_path / "h" / "heat.png"
     hl.write_heatmap(hl.summarize(rows, [cell]), out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
