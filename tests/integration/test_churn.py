@@ -211,12 +211,17 @@ def test_a_lost_stage_is_restored_from_a_data_holders_copy_when_every_node_has_i
         version = int(fetched[0]["version"])
         assert str(fetched[0]["source"]).startswith("dh"), fetched
         imported = [r for n, r in _events(swarm, "state_imported") if n == joiner.name]
-        assert imported and imported[0]["checkpoint"] and imported[0]["version"] == version, imported
+        # kept on the joiner's own disk (by the time of the checks below it may have written two
+        # newer versions and pruned this one, so the record says it, not the folder)
+        assert imported and imported[0]["checkpoint"] and imported[0]["written"], imported
+        assert imported[0]["version"] == version, imported
         assert not [r for n, r in _events(swarm, "compute_failed") if n == joiner.name]
         rollbacks = [r for _, r in _events(swarm, "rollback") if r["lost_from"] > 0]
         assert rollbacks and rollbacks[-1]["version"] == version, rollbacks
         assert swarm.stage_of(joiner) == 2, swarm.log_tails()
-        assert checkpoints.verify_version(nodes / joiner.name / "checkpoints", 2, version) is None
+        mine = nodes / joiner.name / "checkpoints"
+        kept = [v for v in checkpoints.versions(mine, 2) if v >= version and checkpoints.verify_version(mine, 2, v) is None]
+        assert kept, (version, checkpoints.versions(mine, 2))
         assert not (tmp_path / "swarm" / "checkpoints").exists()  # nothing was shared
 
 

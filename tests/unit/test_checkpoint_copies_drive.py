@@ -75,7 +75,8 @@ def test_a_checkpoint_travels_replica_to_data_holder_to_joiner(tmp_path: Path) -
     _deliver(holder, joiner, serve_key)
     res = joiner.compute(Compute(4, "import_state", 1, None, 0.0, (serve_key,), ()))
     assert res.records == [("state_imported", {"stage": 1, "version": 5, "hash": expected,
-                                               "source": holder.node_id, "checkpoint": True})]
+                                               "source": holder.node_id, "checkpoint": True,
+                                               "written": True})]
     assert checkpoints.read_version(tmp_path / "C" / "checkpoints", 1, 5) == on_disk
 
 

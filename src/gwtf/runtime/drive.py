@@ -399,13 +399,14 @@ class Host:
         of a checkpoint ("ckpt" key), which is also kept on this host's disk, so the Rollback
         that follows the restore of a lost stage reloads it here (several hosts)."""
         arr = tensor_to_numpy(w.store.pop(key))
+        fields: dict[str, Any] = {}
         if key[0] == "ckpt":
             w.load_state_blob(arr)
-            checkpoints.keep_version(self.ckpt_dir, w.stage, int(key[2]), arr.data)
+            fields["written"] = checkpoints.keep_version(self.ckpt_dir, w.stage, int(key[2]), arr.data)
         else:
             statefile.import_state(w, arr)
         return RecordName.STATE_IMPORTED, {"stage": w.stage, "version": key[2], "hash": w.weights_hash(),
-                                  "source": key[3], "checkpoint": key[0] == "ckpt"}
+                                           "source": key[3], "checkpoint": key[0] == "ckpt", **fields}
 
     def _checkpoint_copy(self, w: StageWorker, eff: Compute) -> tuple[RecordName, dict[str, Any]]:
         """The data holders' copies of the relay stages' checkpoints (docs/runtime.md):
