@@ -223,7 +223,7 @@ class ProtocolConfig:
     """NodeCore's churn-handling knobs: failure detection, deadlines, checkpoints (docs/protocol.md)."""
 
     system: str = "gwtf"  # the system every node runs: "gwtf" or "swarm" (the baseline); protocol.systems
-    router: Literal["greedy", "flow"] = "flow"  # next-hop choice: protocol.simple_router or protocol.flow
+    router: Literal["greedy", "flow"] = "flow"  # next-hop choice: protocol.simple_router or protocol.routing
     heartbeat_period_s: float = 2.0  # node -> leader heartbeats; leader -> node acks
     suspect_after_s: float = 6.0  # no word from the leader this long: suspect it (log)
     evict_after_s: float = 12.0  # leader: silent node declared dead; node: leader declared dead
