@@ -66,6 +66,11 @@ class Busy:
     nonce: int = 0
     reserved: bool = False  # a slot of my capacity is held for the flow I take
 
+    def hold(self, e: FlowEntry) -> None:
+        """Lock my flow `e` for the move I propose, remembering its route ends."""
+        e.locked = True
+        self.my_key, self.my_prev, self.my_next = e.key, e.prev, e.next or ""
+
 
 @dataclass(frozen=True, slots=True)
 class Choice:
@@ -203,8 +208,7 @@ class Exchange:
     def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
         e, i = choice.mine, choice.index
         assert e is not None
-        e.locked = True
-        busy.my_key, busy.my_prev, busy.my_next = e.key, e.prev, e.next or ""
+        busy.hold(e)
         return FlowPropose(
             "exchange", msg.origins[i], msg.flow_ids[i], msg.prevs[i], msg.nexts[i],
             e.origin, e.flow_id, e.prev, e.next or "", self.anneal.up_prev(e), e.down_next_s,
@@ -312,8 +316,7 @@ class SwapNext:
     def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
         e, i = choice.mine, choice.index
         assert e is not None
-        e.locked = True
-        busy.my_key, busy.my_prev, busy.my_next = e.key, e.prev, e.next or ""
+        busy.hold(e)
         busy.nonce = self.anneal.state.rng.getrandbits(31)
         return FlowPropose(
             "swap_next", msg.origins[i], msg.flow_ids[i], msg.prevs[i], msg.nexts[i],
