@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+from simhooks import crash_on_delivery
 
 from gwtf.errors import UserError
 from gwtf.protocol.butterfly import layout, part_bytes, rotated
@@ -105,18 +106,8 @@ def test_a_replica_dying_mid_reduction_forces_a_new_round_among_the_survivors(ph
     sc = load_scenario(None, [*_shape(4), 'protocol.reduce="butterfly"'])
     sim = Simulator(sc, 3, get_system("gwtf", sc.protocol))
     leader = min(sim.inst.by_stage[0])
-    deliver, crashed = sim._deliver, []
-
-    def deliver_then_crash(src: str, dst: str, msg: object, left_s: float) -> None:
-        deliver(src, dst, msg, left_s)  # type: ignore[arg-type]
-        core = sim.cores.get(dst)
-        if crashed or core is None or type(msg) is not GradShare or msg.key[0] != phase or dst == leader \
-                or core.me.stage != stage:
-            return
-        crashed.append(dst)
-        sim.crash(dst)
-
-    sim._deliver = deliver_then_crash  # type: ignore[method-assign]
+    crashed = crash_on_delivery(sim, lambda dst, msg, core: type(msg) is GradShare and msg.key[0] == phase
+                                and dst != leader and core.me.stage == stage)
     summary = sim.run()
     assert crashed
     assert summary["finished"] and summary["invariant_violations"] == 0, summary["violations"]

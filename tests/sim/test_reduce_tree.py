@@ -6,6 +6,7 @@ than wait forever."""
 from __future__ import annotations
 
 import pytest
+from simhooks import crash_on_delivery
 
 from gwtf.errors import UserError
 from gwtf.protocol.aggregation import digest, tree_children, tree_parent
@@ -59,18 +60,9 @@ def test_a_tree_parent_dying_with_the_gradient_forces_a_new_round() -> None:
     for their Have forever (a progress violation)."""
     sc = load_scenario(None, [*SHAPE, "protocol.reduce_fanout=2"])
     sim = Simulator(sc, 1, get_system("gwtf", sc.protocol))
-    deliver, crashed = sim._deliver, []  # the crashed inner node
-
-    def deliver_then_crash(src: str, dst: str, msg: object, left_s: float) -> None:
-        deliver(src, dst, msg, left_s)  # type: ignore[arg-type]
-        core = sim.cores.get(dst)
-        if crashed or core is None or type(msg) is not GradShare or msg.key[0] != "rgrad" or core.commit is None:
-            return
-        if tree_children(digest(core.commit), dst, 2):
-            crashed.append(dst)
-            sim.crash(dst)
-
-    sim._deliver = deliver_then_crash  # type: ignore[method-assign]
+    crashed = crash_on_delivery(  # an inner node of the tree
+        sim, lambda dst, msg, core: type(msg) is GradShare and msg.key[0] == "rgrad" and core.commit is not None
+        and bool(tree_children(digest(core.commit), dst, 2)))
     summary = sim.run()
     assert crashed
     assert summary["finished"] and summary["invariant_violations"] == 0, summary["violations"]
