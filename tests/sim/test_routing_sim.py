@@ -88,6 +88,10 @@ def test_route_json_has_every_method(capsys: pytest.CaptureFixture[str]) -> None
     assert set(result) == {"optimal", "gwtf", "swarm", "greedy", "random", "gwtf_after_crash"}
     for entry in result.values():
         assert {"flow", "max_route_cost_s", "sum_route_cost_s"} <= set(entry)
+    for name in ("optimal", "gwtf", "swarm", "greedy", "random"):
+        by_dh = result[name]["flow_by_data_holder"]
+        assert set(by_dh) == {"n0", "n1"} and sum(by_dh.values()) == result[name]["flow"], (name, by_dh)
+        assert result[name]["worst_data_holder"] in by_dh
     assert result["gwtf"]["flow"] == result["optimal"]["flow"]
     assert {"converged_at_s", "messages"} <= set(result["gwtf"])
     assert "lower_bound_max_route_cost_s" in result["optimal"]

@@ -75,8 +75,16 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _scores(instance: Instance, routes: list[Route] | tuple[Route, ...]) -> dict[str, Any]:
+    """Flow and route costs, the flow each data holder starts (`flow_by_data_holder`, every data
+    holder listed) and the data holder of the costliest route (`worst_data_holder`, None without
+    routes): which data holders get the bottleneck's slots is part of the answer (issue 17)."""
     st = evaluate_routes(instance, routes)
-    return {"flow": st.flow, "max_route_cost_s": st.max_route_cost_s, "sum_route_cost_s": st.sum_route_cost_s}
+    by_dh = dict.fromkeys(instance.by_stage[0], 0)
+    for r in routes:
+        by_dh[r[0]] += 1
+    worst = max(routes, key=instance.route_cost_s)[0] if routes else None
+    return {"flow": st.flow, "max_route_cost_s": st.max_route_cost_s, "sum_route_cost_s": st.sum_route_cost_s,
+            "flow_by_data_holder": by_dh, "worst_data_holder": worst}
 
 
 def _baseline_scores(instance: Instance, routes: list[Route]) -> dict[str, Any]:

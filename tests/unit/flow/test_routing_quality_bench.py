@@ -70,3 +70,22 @@ def test_bad_instances_dir_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert _bench().main(["--instances", str(tmp_path)]) == 2
     assert "stages: must be >= 2" in capsys.readouterr().err
     assert _bench().main(["--instances", str(tmp_path / "absent")]) == 2
+
+
+def test_the_worst_routes_data_holder_is_over_served_only_with_more_flows_than_in_the_optimum() -> None:
+    bench = _bench()
+    optimum = {"flow_by_data_holder": {"a": 5, "b": 0}, "worst_data_holder": "a"}
+
+    def gwtf(worst: str | None, a: int, b: int) -> dict[str, object]:
+        return {"flow_by_data_holder": {"a": a, "b": b}, "worst_data_holder": worst}
+
+    assert bench._worst_over_served(gwtf("b", 1, 4), optimum)  # b's slots cost the most, the optimum gives it none
+    assert not bench._worst_over_served(gwtf("a", 5, 0), optimum)
+    assert not bench._worst_over_served(gwtf("b", 5, 0), optimum)
+    assert not bench._worst_over_served(gwtf(None, 0, 0), optimum)
+    rows = [{"optimal": {**optimum, "flow": 5, "max_route_cost_s": 1.0, "lower_bound_max_route_cost_s": 1.0},
+             "gwtf": {**gwtf("b", 1, 4), "flow": 5, "max_route_cost_s": 2.0, "converged": True,
+                      "converged_at_s": 1.0, "routes_changed_at_s": 1.0, "flow_reached_at_s": 1.0,
+                      "messages_per_node": 1.0, "wall_s": 0.1},
+             **{k: {"flow": 5, "max_route_cost_s": 3.0} for k in ("swarm", "greedy")}}]
+    assert bench.summarize(rows)["gwtf_worst_dh_over_served"] == 1
