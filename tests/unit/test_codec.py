@@ -127,8 +127,8 @@ FIELD_VALUES: dict[tuple[str, str], st.SearchStrategy[Any]] = {
 
 def instances(cls: type[Message]) -> st.SearchStrategy[Message]:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: FIELD_VALUES.get((cls.TYPE, f.name)) or strategy(hints[f.name])
-              for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: FIELD_VALUES[(cls.TYPE, f.name)] if (cls.TYPE, f.name) in FIELD_VALUES
+              else strategy(hints[f.name]) for f in dataclasses.fields(cls) if f.init}
     return st.fixed_dictionaries(fields).map(lambda kw: _build(cls, kw))
 
 
