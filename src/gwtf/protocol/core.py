@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from typing import Any, cast
+from operator import attrgetter
+from typing import Any, ClassVar, cast
 
 from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
@@ -29,7 +30,7 @@ from gwtf.protocol.aggregation import AggregationMixin
 from gwtf.protocol.base import Message, NodeId, Send, log
 from gwtf.protocol.dispatch import Fence, Route, Sender, Termed, router_route, routes_of
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.leader import LeaderMixin, LeaderState
+from gwtf.protocol.leader import Coordinator
 from gwtf.protocol.ledger import CoreState, Effect, LinkPrior, Policy, TrainParams
 from gwtf.protocol.membership import MAX_COMPUTE_S, MembershipMixin
 from gwtf.protocol.messages import record
@@ -66,7 +67,7 @@ def make_router(name: str, me: PeerInfo, train: TrainParams, rng: random.Random,
     return GreedyRouter(me, train.stages, train.route_bytes)
 
 
-class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
+class NodeCore(AggregationMixin, MembershipMixin, TrainingMixin):
     """One node's protocol brain: events in, effects out (see the module docstring)."""
 
     def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
@@ -88,6 +89,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             router = router_factory(me) if me.stage >= 0 else GreedyRouter(me, train.stages, train.route_bytes)
         CoreState.__init__(self, me, cfg, train, rng, router, policy or Policy())
         self.link_prior = link_prior
+        self.coord = Coordinator(self)
         self.router_factory = router_factory
         self._resends: dict[int, tuple[NodeId, Message]] = {}
         self._resend_seq = 0
@@ -99,19 +101,10 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
     start_version: int = 0  # a resumed swarm's first version (its bootstrap node loaded it)
     compute_advertised_s: float = -math.inf  # when on_compute_measured last advertised (driver time)
 
-    def _resume(self, now: float) -> list[Effect]:
-        # A fresh or resumed swarm (nothing trained since the start) stays paused until every
-        # initial node is a member, so all of them train from its first iteration (equivalence
-        # with the reference trainer, and with the uninterrupted run).
-        # The hold is bounded: a start member that died while starting delays the first
-        # iteration by at most `partition_timeout_s` (then the swarm starts without it).
-        first = self.start_version
-        lead: LeaderState | None = self.lead
-        fresh = self.version == first and (lead.lost_from if lead is not None else first) <= first
-        held_s = now - (lead.started_s if lead is not None else now)
-        if fresh and len(self.directory) < self.start_members and held_s < self.cfg.partition_timeout_s:
-            return []
-        return list(super()._resume(now))
+    def rebalance(self, now: float) -> list[Effect]:
+        """Policy hook (`Policy.rebalance_every`), called by the coordinator when an iteration
+        starts: the systems move replicas between stages here (`rebalance.GwtfCore`, `swarm.SwarmCore`)."""
+        return []
 
     def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
         if self.fixed_stage is not None:
@@ -129,7 +122,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         out += list(self.router.on_start(now))
         if self.me.stage == 0 and self.leader == self.me.id:
             out.append(m.record(RecordName.LEADER_TERM, node=self.me.id, term=self.term))
-            out += self.leader_init(now, recovering=False)
+            out += self.coord.leader_init(now, recovering=False)
         return self._drain(out, now)
 
     def on_message(self, sender: NodeId, msg: Message, now: float) -> list[Effect]:
@@ -204,23 +197,30 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
 
     # ---- dispatch ----------------------------------------------------------------------
 
+    PARTS: ClassVar[dict[str, type]] = {"coord": Coordinator}
+    """The parts that are objects of their own (attribute name -> class): their `@handles`
+    methods are dispatched to the object."""
     _routes: dict[type, Route] = {}  # per concrete class: message class -> route (dispatch.routes_of)
-    _dispatch: dict[type, tuple[Any, Sender | None, Fence]] = {}  # ... resolved once: (handler, rule, fence)
+    _dispatch: dict[type, tuple[Any, Callable[[Any], Any] | None, Sender | None, Fence]] = {}
+    """... resolved once: (handler, the getter of its part or None for the core's own, rule, fence)"""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._routes = routes_of(cls)
+        cls._routes = routes_of(cls, cls.PARTS)
         cls._dispatch = {}
 
     @classmethod
-    def _resolve(cls, mcls: type) -> tuple[Any, Sender | None, Fence]:
-        """(handler, who may send it, term check) of a message class: a core part's handler
-        (`@handles`), the router's ("flow."/"swarm." messages nobody claims) or unknown."""
+    def _resolve(cls, mcls: type) -> tuple[Any, Callable[[Any], Any] | None, Sender | None, Fence]:
+        """(handler, its part, who may send it, term check) of a message class: a core part's
+        handler (`@handles`), the router's ("flow."/"swarm." messages nobody claims) or unknown."""
         route = cls._routes.get(mcls) or router_route(mcls)
         if route is None:
-            return _UNKNOWN, None, Fence.NONE
-        fn = _ROUTER if route.handler is None else getattr(cls, route.handler)
-        return fn, route.sender, route.fence
+            return _UNKNOWN, None, None, Fence.NONE
+        if route.handler is None:
+            return _ROUTER, None, route.sender, route.fence
+        if not route.part:
+            return getattr(cls, route.handler), None, route.sender, route.fence
+        return getattr(cls.PARTS[route.part], route.handler), attrgetter(route.part), route.sender, route.fence
 
     def authorized(self, sender: NodeId, rule: Sender | None) -> bool:
         """May `sender` send a message of `rule`'s kind to me now? (`dispatch.Sender`)"""
@@ -244,9 +244,9 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
                 out += list(self.router.on_peer_up(info, self.link(sender), now))
         mcls = type(msg)
         try:
-            fn, rule, fence = self._dispatch[mcls]
+            fn, part, rule, fence = self._dispatch[mcls]
         except KeyError:
-            fn, rule, fence = self._dispatch[mcls] = self._resolve(mcls)
+            fn, part, rule, fence = self._dispatch[mcls] = self._resolve(mcls)
         if not self.authorized(sender, rule):
             return out + [record(RecordName.UNAUTHORIZED, node=self.me.id, sender=sender, type=msg.TYPE,
                                  allowed=str(rule))]
@@ -260,7 +260,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             return out
         if fn is _UNKNOWN:
             return out + [log("warning", "unknown_message", type=msg.TYPE, sender=sender)]
-        result: list[Effect] = fn(self, sender, msg, now)
+        result: list[Effect] = fn(self if part is None else part(self), sender, msg, now)
         return out + result if out else result
 
     def _drain(self, effects: list[Effect], now: float) -> list[Effect]:
@@ -290,7 +290,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
             return list(self.router.on_timer(key, now))
         if kind == "hb":
             out = self.on_heartbeat_timer(now)
-            return out + (self.leader_tick(now) if self.is_leader else [])
+            return out + (self.coord.leader_tick(now) if self.is_leader else [])
         if kind == "probe":
             return self.on_probe_timer(key[1], key[2], now)
         if kind == "ackf":
@@ -342,7 +342,7 @@ class NodeCore(LeaderMixin, AggregationMixin, MembershipMixin, TrainingMixin):
         return [self.send(entry[0], entry[1])]
 
 
-NodeCore._routes = routes_of(NodeCore)  # subclasses: __init_subclass__
+NodeCore._routes = routes_of(NodeCore, NodeCore.PARTS)  # subclasses: __init_subclass__
 
 
 def message_routes(core: type[NodeCore] = NodeCore) -> dict[type, Route]:

@@ -2,8 +2,9 @@
 
 Owns: `Sender` (who may send a message), `Fence` (which term check it gets), `handles` (the
 decorator a core part puts on its handler: `@handles(m.Commit, sender=Sender.LEADER,
-fence=Fence.FROM_LEADER)`) and `routes_of(cls)` (message class -> `Route` for a core class, from
-the decorated methods of its MRO: a subclass's handler of a message replaces its base's). A
+fence=Fence.FROM_LEADER)`) and `routes_of(cls, parts)` (message class -> `Route` for a core
+class, from the decorated methods of its parts' classes and of its MRO: a subclass's handler of
+a message replaces its base's). A
 message class no core part handles is the router's when its TYPE starts with "flow." or "swarm."
 (`ROUTER_SENDERS` names the exceptions to the member rule), else unknown (logged, dropped).
 
@@ -15,7 +16,7 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Any, Protocol, TypeVar
@@ -53,6 +54,7 @@ class Route:
     handler: str | None
     sender: Sender
     fence: Fence = Fence.NONE
+    part: str = ""  # the core's attribute holding the part whose method it is ("": the core's own)
 
 
 ROUTER_PREFIXES = ("flow.", "swarm.")
@@ -85,17 +87,19 @@ def handles(*classes: type[Message], sender: Sender, fence: Fence = Fence.NONE) 
     return mark
 
 
-def routes_of(cls: type) -> dict[type, Route]:
-    """Every message class the core class `cls` handles, from its MRO (subclasses win)."""
+def routes_of(cls: type, parts: Mapping[str, type] | None = None) -> dict[type, Route]:
+    """Every message class the core class `cls` handles: from its parts' classes (`parts`:
+    attribute name -> class), then from its MRO (a core's own handler wins, subclasses win)."""
     out: dict[type, Route] = {}
-    for klass in reversed(cls.__mro__):
+    for part, klass in [(name, k) for name, pcls in (parts or {}).items() for k in reversed(pcls.__mro__)] + \
+            [("", k) for k in reversed(cls.__mro__)]:
         for name, fn in vars(klass).items():
             mark = getattr(fn, _MARK, None)
             if mark is None:
                 continue
             classes, sender, fence = mark
             for mcls in classes:
-                out[mcls] = Route(name, sender, fence)
+                out[mcls] = Route(name, sender, fence, part)
     return out
 
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from gwtf.protocol import messages as msgs
 from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId, log
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
-from gwtf.protocol.ledger import CoreState, Effect
+from gwtf.protocol.ledger import Effect
 from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, from_tuple, to_tuple
 from gwtf.protocol.messages import (
     NONE,
@@ -40,6 +41,9 @@ from gwtf.protocol.messages import (
     record,
 )
 from gwtf.protocol.router import PeerInfo
+
+if TYPE_CHECKING:
+    from gwtf.protocol.core import NodeCore
 
 ROUND_GAP = 1000  # round numbers a crashed leader may have used unseen
 ADMIT_AFTER_REFETCHES = 2  # a joiner stale at this many iteration starts is waited for at the next
@@ -87,51 +91,57 @@ class LeaderState:
     admit_until_s: float = 0.0
 
 
-class LeaderMixin(CoreState):
-    """Leader behaviour (see the module docstring); inert unless `is_leader`."""
+class Coordinator:
+    """Leader behaviour (see the module docstring), one per node; inert unless the node
+    `is_leader`. It owns its `LeaderState`; the rest of the node (directory, term, sends) it
+    reaches through `node`."""
 
-    lead: LeaderState  # this node's leadership: set by leader_init, read only while is_leader
+    def __init__(self, node: NodeCore) -> None:
+        self.node = node
+        # replaced by leader_init, read only while the node is_leader; until then an empty state
+        # (no caller needs a None check: its collections are empty, its round 0)
+        self.lead = LeaderState(term=-1, t=0, phase=Phase.FINISHED, round=0)
 
     def leader_init(self, now: float, recovering: bool) -> list[Effect]:
-        self.is_leader = True
+        self.node.is_leader = True
         # a new leader's rounds must not collide with commits the old one may have sent
-        seen = max(self.have_round, self.commit.round if self.commit is not None else NONE)
+        seen = max(self.node.have_round, self.node.commit.round if self.node.commit is not None else NONE)
         prev: LeaderState | None = self.lead
         last = prev.round if prev is not None else 0
-        self.lead = LeaderState(term=self.term, t=self.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
+        self.lead = LeaderState(term=self.node.term, t=self.node.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
                                 round=max(last, seen) + (ROUND_GAP if recovering else 0), stalled_log_s=now,
                                 started_s=now)
-        self.last_hb = {pid: now for pid in self.directory if pid != self.me.id}
+        self.node.last_hb = {pid: now for pid in self.node.directory if pid != self.node.me.id}
         if recovering:
-            return self._broadcast(Collect(term=self.term, iteration=self.lead.t, leader=self.me.id), include_self=True)
+            return self._broadcast(Collect(term=self.node.term, iteration=self.lead.t, leader=self.node.me.id), include_self=True)
         return self.start_iteration(self.lead.t, now)
 
     def become_leader(self, now: float) -> list[Effect]:
-        return [record(RecordName.LEADER_TAKEOVER, node=self.me.id, iteration=self.iteration)] + \
+        return [record(RecordName.LEADER_TAKEOVER, node=self.node.me.id, iteration=self.node.iteration)] + \
             self.leader_init(now, recovering=True)
 
     def _broadcast(self, msg: Message, include_self: bool = False) -> list[Effect]:
-        return [self.send(p, msg) for p in sorted(self.directory) if include_self or p != self.me.id]
+        return [self.node.send(p, msg) for p in sorted(self.node.directory) if include_self or p != self.node.me.id]
 
     def _stage_members(self) -> list[list[NodeId]]:
-        members: list[list[NodeId]] = [[] for _ in range(self.S)]
-        for pid in sorted(self.directory):
-            members[self.directory[pid].stage].append(pid)
+        members: list[list[NodeId]] = [[] for _ in range(self.node.S)]
+        for pid in sorted(self.node.directory):
+            members[self.node.directory[pid].stage].append(pid)
         return members
 
     # ---- iteration lifecycle ----------------------------------------------------------
 
     def start_iteration(self, t: int, now: float) -> list[Effect]:
-        if self.train.iterations and t >= self.train.iterations:
+        if self.node.train.iterations and t >= self.node.train.iterations:
             self.lead.phase = Phase.FINISHED
             return [record(RecordName.TRAINING_DONE, iterations=t)]
         self.lead.t = t
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
         self.lead.haves, self.lead.commit_set = set(), set()
-        out: list[Effect] = [record(RecordName.ITER_START, iteration=t, members=len(self.directory))]
+        out: list[Effect] = [record(RecordName.ITER_START, iteration=t, members=len(self.node.directory))]
         held: list[NodeId] = []
         for j in sorted(self.lead.waiting):
-            out.append(self.send(j, Refetch(term=self.term, iteration=t, stage=NONE)))
+            out.append(self.node.send(j, Refetch(term=self.node.term, iteration=t, stage=NONE)))
             self.lead.refetches[j] = self.lead.refetches.get(j, 0) + 1
             if self.lead.refetches[j] >= ADMIT_AFTER_REFETCHES:
                 held.append(j)
@@ -142,9 +152,9 @@ class LeaderMixin(CoreState):
             # these joiners' state went stale again: fetching it takes longer than an iteration,
             # so hold this iteration's start until they are Ready at it (bounded) instead of
             # asking them to fetch again forever
-            size = max(self.train.stage_state_bytes)
-            wait_s = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * max(
-                self.ack_deadline_s(j, size) for j in held))
+            size = max(self.node.train.stage_state_bytes)
+            wait_s = max(self.node.join_deadline_s(), STATE_DEADLINE_FACTOR * max(
+                self.node.ack_deadline_s(j, size) for j in held))
             self.lead.phase = Phase.ADMIT
             self.lead.admitting = set(held)
             self.lead.admit_until_s = now + wait_s
@@ -154,13 +164,9 @@ class LeaderMixin(CoreState):
     def _begin(self, t: int, now: float) -> list[Effect]:
         """Iteration `t` starts: every member hears IterStart."""
         self.lead.phase = Phase.RUN
-        out = self._broadcast(IterStart(term=self.term, iteration=t, leader=self.me.id), include_self=True)
-        every = self.policy.rebalance_every
-        return out + (self.rebalance(now) if every > 0 and t % every == 0 else [])
-
-    def rebalance(self, now: float) -> list[Effect]:
-        """Policy hook (`Policy.rebalance_every`): baselines move replicas between stages here."""
-        return []
+        out = self._broadcast(IterStart(term=self.node.term, iteration=t, leader=self.node.me.id), include_self=True)
+        every = self.node.policy.rebalance_every
+        return out + (self.node.rebalance(now) if every > 0 and t % every == 0 else [])
 
     def _pause(self, now: float) -> list[Effect]:
         if self.lead.phase != Phase.PAUSED:
@@ -173,14 +179,14 @@ class LeaderMixin(CoreState):
             out += self._reassign_joiners(empty)
             # joiners that were ready but waiting for the next iteration are members now (a
             # paused swarm activates every Ready joiner; the rollback reloads their state)
-            horizon = now - self.cfg.evict_after_s
+            horizon = now - self.node.cfg.evict_after_s
             for j in sorted(self.lead.waiting):
                 info, version = self.lead.ready.get(j, (None, NONE))
-                heard = self.last_hb.get(j)
+                heard = self.node.last_hb.get(j)
                 if info is not None and heard is not None and heard >= horizon and self.lead.phase == Phase.PAUSED \
-                        and j not in self.directory:
+                        and j not in self.node.directory:
                     self.lead.waiting.discard(j)
-                    self.pending_joiners.discard(j)
+                    self.node.pending_joiners.discard(j)
                     out += self._activate(j, info, now, version)
             return out
         return []
@@ -189,8 +195,8 @@ class LeaderMixin(CoreState):
         """A stage was lost while joiners were pending at stages that still have replicas: send
         one per lost stage that no pending joiner takes over to join again (it is then assigned
         the lost stage, the bottleneck), instead of leaving the swarm paused with them waiting."""
-        pending = {j: st for j, (st, _) in self.pending_stage.items()
-                   if j not in self.directory}
+        pending = {j: st for j, (st, _) in self.node.pending_stage.items()
+                   if j not in self.node.directory}
         spare = sorted(j for j, st in pending.items() if st not in empty)
         out: list[Effect] = []
         for stage in empty:
@@ -200,12 +206,12 @@ class LeaderMixin(CoreState):
             self.lead.waiting.discard(j)
             self.lead.reassigned[j] = stage  # its Ready for another stage, if in flight, is void
             out += [record(RecordName.JOINER_REASSIGNED, node=j, stage=stage),
-                    self.send(j, Refetch(term=self.term, iteration=self.lead.t, stage=stage))]
+                    self.node.send(j, Refetch(term=self.node.term, iteration=self.lead.t, stage=stage))]
         return out
 
     @handles(msgs.Report, sender=Sender.MEMBER, fence=Fence.TO_LEADER)
     def on_report(self, sender: NodeId, msg: Report, now: float) -> list[Effect]:
-        if not self.is_leader or sender not in self.directory:
+        if not self.node.is_leader or sender not in self.node.directory:
             return []
         if self.lead.phase == Phase.RECOVER:
             self.lead.reports[sender] = msg
@@ -213,28 +219,28 @@ class LeaderMixin(CoreState):
         if msg.iteration != self.lead.t or self.lead.phase in (Phase.PAUSED, Phase.FINISHED):
             return []
         self.lead.reports[sender] = msg
-        if msg.dh_done and self.directory[sender].stage == 0:
+        if msg.dh_done and self.node.directory[sender].stage == 0:
             self.lead.expected[sender] = msg.dh_completed
         return self._check(now)
 
     def _recover_check(self, now: float) -> list[Effect]:
-        if not set(self.directory) <= set(self.lead.reports):
+        if not set(self.node.directory) <= set(self.lead.reports):
             return []
         reports = self.lead.reports
         top = max(r.version for r in reports.values())
         out: list[Effect] = []
         for pid, r in sorted(reports.items()):
             if r.version < top:  # the old leader died while sending Step: finish it
-                out.append(self.send(pid, Step(term=self.term, iteration=r.version, round=r.have_round)))
+                out.append(self.node.send(pid, Step(term=self.node.term, iteration=r.version, round=r.have_round)))
         self.lead.t = top
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
-        if self.train.iterations and top >= self.train.iterations:
+        if self.node.train.iterations and top >= self.node.train.iterations:
             # the old leader died after the last step (e.g. it exited when training was done):
             # nothing is left to run; an IterStart here trained one iteration past the end
             self.lead.phase = Phase.FINISHED
             return out + [record(RecordName.TRAINING_DONE, iterations=top)]
         self.lead.phase = Phase.RUN
-        out += self._broadcast(IterStart(term=self.term, iteration=top, leader=self.me.id), include_self=True)
+        out += self._broadcast(IterStart(term=self.node.term, iteration=top, leader=self.node.me.id), include_self=True)
         for pid, r in sorted(reports.items()):
             if r.version == top and r.iteration == top:
                 out += self.on_report(pid, r, now)
@@ -242,13 +248,13 @@ class LeaderMixin(CoreState):
 
     def _check(self, now: float) -> list[Effect]:
         if self.lead.phase == Phase.RUN:
-            dhs = self.data_holders()
+            dhs = self.node.data_holders()
             if len(self.lead.expected) < len(dhs) or not dhs <= self.lead.expected.keys():
                 return []
             self.lead.phase = Phase.COLLECT
             out: list[Effect] = [record(RecordName.COLLECT, iteration=self.lead.t)]
-            out += [self.send(p, Collect(term=self.term, iteration=self.lead.t, leader=self.me.id))
-                    for p in sorted(self.directory) if p not in dhs]
+            out += [self.node.send(p, Collect(term=self.node.term, iteration=self.lead.t, leader=self.node.me.id))
+                    for p in sorted(self.node.directory) if p not in dhs]
             return out + self._check(now)
         if self.lead.phase == Phase.COLLECT:
             return self._plan(now)
@@ -258,24 +264,24 @@ class LeaderMixin(CoreState):
 
     def _plan(self, now: float) -> list[Effect]:
         # (the length test first: this runs on every Report, O(1) until the last ones arrive)
-        if len(self.lead.reports) < len(self.directory) or not self.directory.keys() <= self.lead.reports.keys():
+        if len(self.lead.reports) < len(self.node.directory) or not self.node.directory.keys() <= self.lead.reports.keys():
             return []
-        contrib = {p: (r.stage, frozenset(r.contributed)) for p, r in self.lead.reports.items() if p in self.directory}
-        plan = plan_redo(self.S, self.lead.expected, contrib)
+        contrib = {p: (r.stage, frozenset(r.contributed)) for p, r in self.lead.reports.items() if p in self.node.directory}
+        plan = plan_redo(self.node.S, self.lead.expected, contrib)
         out: list[Effect] = []
         for victim in plan.resets:
             self.lead.reports.pop(victim, None)
-            out.append(self.send(victim, Reset(term=self.term, iteration=self.lead.t)))
+            out.append(self.node.send(victim, Reset(term=self.node.term, iteration=self.lead.t)))
         if plan.resets:
             return out + [record(RecordName.AGG_RESET, iteration=self.lead.t, nodes=plan.resets)]
         for ch in plan.chains:
             deadline = self.lead.pending.get(ch.mb)
             if deadline is not None and deadline > now:
                 continue
-            self.lead.pending[ch.mb] = now + CHAIN_DEADLINE_FACTOR * self.ack_deadline_s(ch.start_node, 0)
+            self.lead.pending[ch.mb] = now + CHAIN_DEADLINE_FACTOR * self.node.ack_deadline_s(ch.start_node, 0)
             mb = (ch.mb[0], self.lead.t, ch.mb[1])
-            out.append(record(RecordName.REDO, node=self.me.id, mb=mb, start=ch.start, until=ch.until, mode="aggregation"))
-            out.append(self.send(ch.start_node, Redo(mb=mb, path=ch.path, legs=(), start=ch.start, until=ch.until,
+            out.append(record(RecordName.REDO, node=self.node.me.id, mb=mb, start=ch.start, until=ch.until, mode="aggregation"))
+            out.append(self.node.send(ch.start_node, Redo(mb=mb, path=ch.path, legs=(), start=ch.start, until=ch.until,
                                                      holder=ch.holder, agg=True)))
         if plan.chains:
             return out
@@ -285,7 +291,7 @@ class LeaderMixin(CoreState):
         self.lead.round += 1
         self.lead.phase = Phase.COMMIT
         self.lead.haves = set()
-        self.lead.commit_set = set(self.directory)
+        self.lead.commit_set = set(self.node.directory)
         out: list[Effect] = []
         self.lead.commits = {}
         self.lead.contributors = set()
@@ -295,9 +301,9 @@ class LeaderMixin(CoreState):
             mbs = {p: tuple(sorted(contrib[p][1])) for p, _ in contributors}
             out.append(record(RecordName.DECISION, iteration=self.lead.t, round=self.lead.round, stage=stage,
                               contributions=mbs, expected=tuple(sorted(self.lead.expected.items()))))
-            msg = Commit(term=self.term, iteration=self.lead.t, round=self.lead.round, contributors=contributors, replicas=tuple(members))
+            msg = Commit(term=self.node.term, iteration=self.lead.t, round=self.lead.round, contributors=contributors, replicas=tuple(members))
             self.lead.commits[stage] = msg
-            out += [self.send(p, msg) for p in members]
+            out += [self.node.send(p, msg) for p in members]
         return out
 
     def _commit_broken(self, pid: NodeId, stage: int) -> bool:
@@ -309,7 +315,7 @@ class LeaderMixin(CoreState):
         if c is None:
             return False
         d = digest(c)
-        if self.cfg.reduce == "butterfly":
+        if self.node.cfg.reduce == "butterfly":
             # every replica owns a part: a replica gone before all the others hold the reduced
             # gradient may have taken one with it (on its uplink, or not yet reduced)
             return (pid == d.reducer or pid in d.pos) and not all(
@@ -318,11 +324,11 @@ class LeaderMixin(CoreState):
             return True
         if pid in self.lead.contributors and d.reducer not in self.lead.haves:
             return True
-        return pid in d.pos and not set(tree_children(d, pid, self.cfg.reduce_fanout)) <= self.lead.haves
+        return pid in d.pos and not set(tree_children(d, pid, self.node.cfg.reduce_fanout)) <= self.lead.haves
 
     @handles(msgs.Have, sender=Sender.MEMBER, fence=Fence.TO_LEADER)
     def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
-        if not self.is_leader or self.lead.phase != Phase.COMMIT or msg.round != self.lead.round:
+        if not self.node.is_leader or self.lead.phase != Phase.COMMIT or msg.round != self.lead.round:
             return []
         self.lead.haves.add(sender)
         return self._check(now)
@@ -331,15 +337,15 @@ class LeaderMixin(CoreState):
         t = self.lead.t
         out: list[Effect] = [record(RecordName.ITERATION_DONE, iteration=t, round=self.lead.round,
                                     expected=sum(len(v) for v in self.lead.expected.values()))]
-        out += [self.send(p, Step(term=self.term, iteration=t, round=self.lead.round)) for p in sorted(self.lead.commit_set)]
-        if (t + 1) % self.cfg.checkpoint_every == 0:
+        out += [self.node.send(p, Step(term=self.node.term, iteration=t, round=self.lead.round)) for p in sorted(self.lead.commit_set)]
+        if (t + 1) % self.node.cfg.checkpoint_every == 0:
             out.append(record(RecordName.CHECKPOINT, version=t + 1))
         return out + self.start_iteration(t + 1, now)
 
     # ---- churn ------------------------------------------------------------------------
 
     def on_member_dead(self, pid: NodeId, stage: int, now: float) -> list[Effect]:
-        if not self.is_leader:
+        if not self.node.is_leader:
             return []
         self.lead.reports.pop(pid, None)
         self.lead.haves.discard(pid)
@@ -378,11 +384,11 @@ class LeaderMixin(CoreState):
 
     @handles(msgs.Ready, sender=Sender.ANYONE)
     def on_ready(self, sender: NodeId, msg: Ready, now: float) -> list[Effect]:
-        if not self.is_leader or self.lead.reassigned.get(sender, msg.stage) != msg.stage:
+        if not self.node.is_leader or self.lead.reassigned.get(sender, msg.stage) != msg.stage:
             return []
         self.lead.reassigned.pop(sender, None)
-        self.pending_joiners.discard(sender)
-        self.last_hb[sender] = now
+        self.node.pending_joiners.discard(sender)
+        self.node.last_hb[sender] = now
         if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):
             return self._activate(sender, from_tuple(msg.peer), now, msg.version)
         if self.lead.phase == Phase.ADMIT and msg.version == self.lead.t:
@@ -390,7 +396,7 @@ class LeaderMixin(CoreState):
             self.lead.refetches.pop(sender, None)
             out = self._activate(sender, from_tuple(msg.peer), now)
             return out + (self._begin(self.lead.t, now) if not self.lead.admitting else [])
-        self.pending_joiners.add(sender)
+        self.node.pending_joiners.add(sender)
         self.lead.waiting.add(sender)
         self.lead.ready[sender] = (from_tuple(msg.peer), msg.version)
         return []
@@ -398,34 +404,44 @@ class LeaderMixin(CoreState):
     def _activate(self, pid: NodeId, info: PeerInfo, now: float, version: int = NONE) -> list[Effect]:
         # a member is counted by the directory now: a pending assignment left behind would count
         # its capacity again once it dies (and hide a lost stage from the next joiner)
-        self.pending_stage.pop(pid, None)
-        if self.lead.phase == Phase.PAUSED and version != NONE and 0 < info.stage < self.S \
+        self.node.pending_stage.pop(pid, None)
+        if self.lead.phase == Phase.PAUSED and version != NONE and 0 < info.stage < self.node.S \
                 and not self._stage_members()[info.stage]:
             # it restores a lost stage: the swarm can roll back no later than the state it holds
             # (the stage's newest checkpoint may never have been written: its last replica died
             # after the step, before the checkpoint, e.g. while exporting its state to a joiner)
             self.lead.restored[info.stage] = min(self.lead.restored.get(info.stage, version), version)
-        self._dir_set(info)
+        self.node._dir_set(info)
         out: list[Effect] = [record(RecordName.JOIN, node=pid, stage=info.stage, iteration=self.lead.t)]
-        out += self._broadcast(MemberUp(term=self.term, peer=to_tuple(info)), include_self=False)
+        out += self._broadcast(MemberUp(term=self.node.term, peer=to_tuple(info)), include_self=False)
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
-        listed = self.welcomed_with.pop(pid, frozenset(self.directory))
-        out += [self.send(pid, MemberUp(term=self.term, peer=to_tuple(self.directory[q])))
-                for q in sorted(self.directory) if q not in listed and q not in (pid, self.me.id)]
-        out += self._peer_up(info, now)
+        listed = self.node.welcomed_with.pop(pid, frozenset(self.node.directory))
+        out += [self.node.send(pid, MemberUp(term=self.node.term, peer=to_tuple(self.node.directory[q])))
+                for q in sorted(self.node.directory) if q not in listed and q not in (pid, self.node.me.id)]
+        out += self.node._peer_up(info, now)
         if self.lead.phase == Phase.PAUSED and all(self._stage_members()):
             out += self._resume(now)
         return out
 
     def _resume(self, now: float) -> list[Effect]:
-        ckpt = self.lead.lost_from - self.lead.lost_from % self.cfg.checkpoint_every
+        # A fresh or resumed swarm (nothing trained since the start) stays paused until every
+        # initial node is a member, so all of them train from its first iteration (equivalence
+        # with the reference trainer, and with the uninterrupted run).
+        # The hold is bounded: a start member that died while starting delays the first
+        # iteration by at most `partition_timeout_s` (then the swarm starts without it).
+        node = self.node
+        first = node.start_version
+        fresh = node.version == first and self.lead.lost_from <= first
+        if fresh and len(node.directory) < node.start_members and now - self.lead.started_s < node.cfg.partition_timeout_s:
+            return []
+        ckpt = self.lead.lost_from - self.lead.lost_from % self.node.cfg.checkpoint_every
         if self.lead.restored:  # the oldest state a restored stage holds bounds the rollback
             held = min(self.lead.restored.values())
-            ckpt = min(ckpt, held - held % self.cfg.checkpoint_every)
+            ckpt = min(ckpt, held - held % self.node.cfg.checkpoint_every)
             self.lead.restored.clear()
         out: list[Effect] = [record(RecordName.ROLLBACK, lost_from=self.lead.lost_from, version=ckpt,
                                     lost_iterations=self.lead.lost_from - ckpt)]
-        out += self._broadcast(Rollback(term=self.term, version=ckpt, lost_from=self.lead.lost_from), include_self=True)
+        out += self._broadcast(Rollback(term=self.node.term, version=ckpt, lost_from=self.lead.lost_from), include_self=True)
         self.lead.phase = Phase.RUN
         return out + self.start_iteration(ckpt, now)

@@ -29,7 +29,7 @@ from gwtf.protocol.messages import Effect as Effect  # re-exported: the parts im
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 
 if TYPE_CHECKING:  # annotation only: the leader part imports this module
-    from gwtf.protocol.leader import LeaderState
+    from gwtf.protocol.leader import Coordinator
 
 DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
 
@@ -140,7 +140,7 @@ class CoreState:
     is_leader: bool = False  # set by the leader part (leader_init), cleared by membership on a new term
     link_prior: LinkPrior | None = None  # set by NodeCore's constructor (a driver's link priors)
     router_factory: Callable[[PeerInfo], Router] | None = None  # ... and the router a joiner builds
-    lead: LeaderState | None = None  # the leader part's state (leader_init), None on a node that never led
+    coord: Coordinator  # the leader part (NodeCore's constructor)
     pending_stage: dict[NodeId, tuple[int, int]]  # leader: joiner -> (assigned stage, capacity) (membership)
     welcomed_with: dict[NodeId, frozenset[NodeId]]  # leader: members a joiner's Welcome listed (membership)
 

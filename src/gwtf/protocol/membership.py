@@ -273,7 +273,7 @@ class MembershipMixin(CoreState):
         self.vote_term, self.voted_for = msg.term, self.me.id
         out: list[Effect] = [record(RecordName.LEADER_CHANGE, node=self.me.id, leader=self.me.id, votes=live, term=msg.term),
                              record(RecordName.LEADER_TERM, node=self.me.id, term=msg.term)]
-        out += self.become_leader(now)
+        out += self.coord.become_leader(now)
         return out + self.evict(old, False, now)
 
     def _adopt_term(self, term: int, leader: NodeId, now: float) -> None:
@@ -326,12 +326,11 @@ class MembershipMixin(CoreState):
 
     def _forget_waiting(self, pid: NodeId, reassigned: bool = False) -> None:
         """The leader's record of a joiner waiting (or sent to join again) is void."""
-        lead = self.lead
-        if lead is not None:
-            if reassigned:
-                lead.reassigned.pop(pid, None)
-            else:
-                lead.waiting.discard(pid)
+        lead = self.coord.lead
+        if reassigned:
+            lead.reassigned.pop(pid, None)
+        else:
+            lead.waiting.discard(pid)
 
     def vote_failed_to(self, peer: NodeId) -> None:
         self.vote_failed.add(peer)
@@ -497,8 +496,8 @@ class MembershipMixin(CoreState):
             if successor:
                 self.vote_term, self.voted_for = self.term, self.me.id
                 out.append(record(RecordName.LEADER_TERM, node=self.me.id, term=self.term))
-        out += self.on_member_dead(pid, info.stage, now)
-        return out + (self.become_leader(now) if successor else [])
+        out += self.coord.on_member_dead(pid, info.stage, now)
+        return out + (self.coord.become_leader(now) if successor else [])
 
     def _recover_rec(self, rec: Leg | Origin, ref: int | tuple[str, int, int], pid: NodeId,
                      now: float) -> list[Effect]:
@@ -506,12 +505,6 @@ class MembershipMixin(CoreState):
             return self.fwd_failed(ref, pid, now)
         if rec.phase == "gradwait" and rec.holder == pid:
             return self.chain_failed(ref, now)
-        return []
-
-    def on_member_dead(self, pid: NodeId, stage: int, now: float) -> list[Effect]:  # leader overrides
-        return []
-
-    def become_leader(self, now: float) -> list[Effect]:  # aggregation overrides
         return []
 
     @handles(msgs.MemberUp, sender=Sender.LEADER, fence=Fence.FROM_LEADER)

@@ -64,7 +64,7 @@ class RebalanceMixin(CoreState):
         driver's clock epoch) and no join (or previous move) is under way."""
         if period_s <= 0 or now - max(self.last_rebalance_s, self.started_s) < period_s:
             return False
-        if self.pending_joiners or (self.lead is not None and self.lead.waiting):
+        if self.pending_joiners or self.coord.lead.waiting:
             return False
         self.last_rebalance_s = now
         return True
@@ -244,7 +244,7 @@ class GwtfCore(RebalanceMixin, NodeCore):
         inp = MoveInputs(members=members, stage_flops=self.train.stage_flops, demand=demand,
                          transfer_s=transfer, download_s=self._download_estimates(members),
                          iteration_s=self.iteration_s, min_gain=self.cfg.rebalance_min_gain,
-                         remaining_iterations=max(self.train.iterations - self.lead.t, 0) if self.train.iterations
+                         remaining_iterations=max(self.train.iterations - self.coord.lead.t, 0) if self.train.iterations
                          else max(int(self.cfg.rebalance_period_s / max(self.iteration_s, 1e-9)), 1))
         move = plan_gwtf_move(inp)
         if move is None:

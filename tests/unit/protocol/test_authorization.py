@@ -47,7 +47,8 @@ def test_every_message_type_states_who_may_send_it() -> None:
             if t == "mem.move" and core is NodeCore:
                 continue  # only the rebalancing cores take stage moves
             assert route is not None, f"{core.__name__}: {t} has no handler and no sender rule"
-            assert route.handler is None or callable(getattr(core, route.handler)), (core.__name__, t)
+            owner = core.PARTS[route.part] if route.part else core
+            assert route.handler is None or callable(getattr(owner, route.handler)), (core.__name__, t)
     assert message_routes(SwarmCore)[MESSAGE_TYPES["swarm.move"]].handler == "on_swarm_move"
 
 
