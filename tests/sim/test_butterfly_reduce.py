@@ -112,5 +112,5 @@ def test_a_replica_dying_mid_reduction_forces_a_new_round_among_the_survivors(ph
     assert crashed
     assert summary["finished"] and summary["invariant_violations"] == 0, summary["violations"]
     assert summary["iterations"] == 2
-    rounds = {c.round for c in (core.commit for core in sim.cores.values()) if c is not None}
+    rounds = {c.round for c in (core.agg.commit for core in sim.cores.values()) if c is not None}
     assert rounds and min(rounds) >= 2  # the first iteration's round 1 was not the last

@@ -275,8 +275,8 @@ class _GatherCheck(TensorSimulator):
         store = host.worker.store
         if job.kind == "export_grad":
             self.exported[job.outputs[0][1:5]] = torch.cat([store[k] for k in job.outputs])
-        elif job.kind == "concat" and core.commit is not None and core.commit.round == job.outputs[0][4]:
-            lay = layout(core.commit)
+        elif job.kind == "concat" and core.agg.commit is not None and core.agg.commit.round == job.outputs[0][4]:
+            lay = layout(core.agg.commit)
             st, it, rnd = job.stage, job.outputs[0][2], job.outputs[0][4]
             want = host.worker.reduce([self.exported[(st, it, n, rnd)] for n in lay.positive], lay.total)
             self.joins += 1

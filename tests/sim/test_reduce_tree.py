@@ -61,8 +61,8 @@ def test_a_tree_parent_dying_with_the_gradient_forces_a_new_round() -> None:
     sc = load_scenario(None, [*SHAPE, "protocol.reduce_fanout=2"])
     sim = Simulator(sc, 1, get_system("gwtf", sc.protocol))
     crashed = crash_on_delivery(  # an inner node of the tree
-        sim, lambda dst, msg, core: type(msg) is GradShare and msg.key[0] == "rgrad" and core.commit is not None
-        and bool(tree_children(digest(core.commit), dst, 2)))
+        sim, lambda dst, msg, core: type(msg) is GradShare and msg.key[0] == "rgrad" and core.agg.commit is not None
+        and bool(tree_children(digest(core.agg.commit), dst, 2)))
     summary = sim.run()
     assert crashed
     assert summary["finished"] and summary["invariant_violations"] == 0, summary["violations"]

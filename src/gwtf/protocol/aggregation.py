@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gwtf.protocol import messages as msgs
 from gwtf.protocol.base import IdentityMemo, NodeId, log
-from gwtf.protocol.butterfly import ButterflyMixin
+from gwtf.protocol.butterfly import Butterfly
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import Effect
@@ -49,6 +49,9 @@ from gwtf.protocol.messages import (
     Step,
     record,
 )
+
+if TYPE_CHECKING:
+    from gwtf.protocol.core import NodeCore
 
 Contrib = tuple[str, int]  # (origin, index) within one iteration
 
@@ -161,90 +164,100 @@ def plan_redo(stages: int, expected: Mapping[NodeId, tuple[int, ...]],
     return Plan(tuple(resets), tuple(chains), missing)
 
 
-class AggregationMixin(ButterflyMixin):
-    """Leader and replica sides of the iteration barrier (see the module docstring); the
-    butterfly all-reduce's replica side is `ButterflyMixin` (`protocol.reduce = "butterfly"`)."""
+class Aggregation:
+    """The replica side of the iteration barrier (see the module docstring), one per node: it
+    owns the barrier's per-iteration state (the Commit taken, gradient shares, the round held);
+    the butterfly all-reduce is its `bf` (`protocol.reduce = "butterfly"`); the rest of the node
+    it reaches through `node`."""
+
+    def __init__(self, node: NodeCore) -> None:
+        self.node = node
+        self.started_iter = NONE  # the iteration whose IterStart was taken
+        self.dh_reported_done = False  # a data holder reported its microbatches done
+        self.reported = False  # this iteration's Report is sent
+        self.collect_due = NONE  # a Collect for this iteration came before its IterStart
+        self.commit: Commit | None = None  # the leader's last Commit for this iteration
+        self.shares: dict[int, set[NodeId]] = {}  # round -> senders of the gradient shares held
+        self.have_round = NONE  # the round whose reduced gradient this replica holds
+        self.need: set[NodeId] = set()  # contributors whose gradient we still wait for
+        self.need_count = 0
+        self.reducer: NodeId = ""  # the stage replica that sums the gradients of the committed round
+        self.own_exported = NONE  # round whose own gradient export finished
+        self.bf = Butterfly(self)
 
     # ---- replica side ------------------------------------------------------------------
 
     @handles(msgs.IterStart, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_iter_start(self, sender: NodeId, msg: IterStart, now: float) -> list[Effect]:
-        self.leader = msg.leader
-        self.last_leader_s = now
-        if not self.active or self.started_iter == msg.iteration:
+        self.node.leader = msg.leader
+        self.node.last_leader_s = now
+        if not self.node.active or self.started_iter == msg.iteration:
             return []
         self.started_iter = msg.iteration
         self.dh_reported_done = False
-        if msg.iteration != self.iteration:
-            self._clear_iteration()
+        if msg.iteration != self.node.iteration:
+            self.node.clear_iteration()
             # (a joiner activated during this iteration sees its first IterStart for it only
             # from a new leader's recovery; a gradient share of the new round that came first
             # must survive it: faultgen seed 501556 waited for that share for good)
-            self.commit: Commit | None = None
-            self.shares: dict[int, set[NodeId]] = {}
-            self.rparts = {}
+            self.commit = None
+            self.shares = {}
+            self.bf.rparts = {}
             self.have_round = NONE
-        self.iteration = msg.iteration
+        self.node.iteration = msg.iteration
         self.reported = False
-        out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.me.id, iteration=msg.iteration)]
-        if self.me.stage == 0:
-            out += self.dh_start_iteration(now)
-        pending, self.pending_fwd = self.pending_fwd, []
+        out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.node.me.id, iteration=msg.iteration)]
+        if self.node.me.stage == 0:
+            out += self.node.dh_start_iteration(now)
+        pending, self.node.pending_fwd = self.node.pending_fwd, []
         for s, m in pending:
-            out += self.on_forward(s, m, now)
+            out += self.node.on_forward(s, m, now)
         if self.collect_due == msg.iteration:
             self.collect_due = NONE
             self.reported = True
-            out.append(self.send(self.leader, self._report()))
+            out.append(self.node.send(self.node.leader, self._report()))
         return out
 
-    def _clear_iteration(self) -> None:
-        self.legs.clear()
-        self.origins.clear()
-        self.contributed.clear()
-        self.grad_cache.clear()
-        self.gouts.clear()
-
     def _report(self, dh_done: bool = False) -> Report:
-        mine = tuple(sorted((mb[0], mb[2]) for mb in self.contributed if mb[1] == self.iteration))
-        started = tuple(range(self.dh_started)) if self.me.stage == 0 else ()
-        done = self.me.stage == 0 and self.dh_reported_done
-        return Report(term=self.term, iteration=self.iteration, version=self.version, stage=self.me.stage, contributed=mine,
+        mine = tuple(sorted((mb[0], mb[2]) for mb in self.node.contributed if mb[1] == self.node.iteration))
+        started = tuple(range(self.node.dh_started)) if self.node.me.stage == 0 else ()
+        done = self.node.me.stage == 0 and self.dh_reported_done
+        return Report(term=self.node.term, iteration=self.node.iteration, version=self.node.version, stage=self.node.me.stage, contributed=mine,
                       dh_done=done or dh_done, dh_completed=started if (done or dh_done) else (),
                       have_round=self.have_round)
 
     @handles(msgs.Collect, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_collect(self, sender: NodeId, msg: Collect, now: float) -> list[Effect]:
-        self.leader = msg.leader
-        self.last_leader_s = now
-        if not self.active:
+        self.node.leader = msg.leader
+        self.node.last_leader_s = now
+        if not self.node.active:
             return []
-        if msg.iteration > self.iteration:
+        if msg.iteration > self.node.iteration:
             # IterStart not seen yet (resent after a cut link, it can arrive after this Collect):
             # this report is for our old iteration; report again once the new one starts
             self.collect_due = msg.iteration
         self.reported = True
-        return [self.send(sender, self._report())]
+        return [self.node.send(sender, self._report())]
 
     def dh_done(self, now: float) -> list[Effect]:
         self.dh_reported_done = True
         self.reported = True
-        return [self.send(self.leader, self._report(dh_done=True))] if self.leader else []
+        return [self.node.send(self.node.leader, self._report(dh_done=True))] if self.node.leader else []
 
     def after_contribution(self, now: float) -> list[Effect]:
-        if self.reported and self.leader:
-            return [self.send(self.leader, self._report())]
+        if self.reported and self.node.leader:
+            return [self.node.send(self.node.leader, self._report())]
         return []
 
     @handles(msgs.Reset, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_reset(self, sender: NodeId, msg: Reset, now: float) -> list[Effect]:
-        if msg.iteration != self.iteration:
+        if msg.iteration != self.node.iteration:
             return []
-        self.contributed.clear()
-        job = self.job(ComputeKind.RESET_GRAD, None)
-        return [record(RecordName.RESET, node=self.me.id, stage=self.me.stage, iteration=msg.iteration),
-                Compute(job, ComputeKind.RESET_GRAD, self.me.stage, None, 0.0),
-                self.send(sender, self._report())]
+        self.node.contributed.clear()
+        job = self.node.job(ComputeKind.RESET_GRAD, None)
+        return [record(RecordName.RESET, node=self.node.me.id, stage=self.node.me.stage, iteration=msg.iteration),
+                Compute(job, ComputeKind.RESET_GRAD, self.node.me.stage, None, 0.0),
+                self.node.send(sender, self._report())]
 
     @handles(msgs.Commit, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_commit(self, sender: NodeId, msg: Commit, now: float) -> list[Effect]:
@@ -252,78 +265,78 @@ class AggregationMixin(ButterflyMixin):
         lowest-id replica), which sums them in sorted replica order and sends the mean back
         (itself, or down a tree with `protocol.reduce_fanout`), so every replica applies the
         bit-identical gradient with O(replicas) messages."""
-        if msg.iteration != self.iteration or not self.active:
+        if msg.iteration != self.node.iteration or not self.node.active:
             return []
         if self.commit is not None and msg.round < self.commit.round:
             # a resend of an older round (after a cut link) overtaken by the newer one: taking it
             # would leave us holding a round the leader no longer waits for (faultgen seed 20100)
             return [log("info", "old_commit_ignored", round=msg.round, holding=self.commit.round)]
-        if self.cfg.reduce == "butterfly":
+        if self.node.cfg.reduce == "butterfly":
             if self.commit is not None and self.commit.round == msg.round:
                 return []  # a resend of the round we are reducing
             self.commit, self.have_round = msg, NONE
-            return self.bf_commit(msg, now)
+            return self.bf.bf_commit(msg, now)
         self.commit = msg
         self.have_round = NONE
         d = digest(msg)
         self.reducer = d.reducer
-        if self.reducer == self.me.id:
-            self.need = {n for n in d.positive if n != self.me.id}
+        if self.reducer == self.node.me.id:
+            self.need = {n for n in d.positive if n != self.node.me.id}
         else:
-            self.need = {tree_parent(d, self.me.id, self.cfg.reduce_fanout)}  # the reduced gradient
+            self.need = {tree_parent(d, self.node.me.id, self.node.cfg.reduce_fanout)}  # the reduced gradient
         self.need_count = len(self.need)
         out: list[Effect] = []
-        if self.me.id in d.positive_set:
-            key = ("pgrad", self.me.stage, msg.iteration, self.me.id, msg.round)
-            out.append(Compute(self.job(ComputeKind.EXPORT_GRAD, (msg.round, key)), ComputeKind.EXPORT_GRAD,
-                               self.me.stage, None, 0.0, (), (key,)))
+        if self.node.me.id in d.positive_set:
+            key = ("pgrad", self.node.me.stage, msg.iteration, self.node.me.id, msg.round)
+            out.append(Compute(self.node.job(ComputeKind.EXPORT_GRAD, (msg.round, key)), ComputeKind.EXPORT_GRAD,
+                               self.node.me.stage, None, 0.0, (), (key,)))
         else:
             out += self._maybe_reduce(now) + self._maybe_have(now)
         return out
 
     def _rkey(self, c: Commit) -> tuple[object, ...]:
-        return ("rgrad", self.me.stage, c.iteration, self.reducer, c.round)
+        return ("rgrad", self.node.me.stage, c.iteration, self.reducer, c.round)
 
     def _share_grads(self, rnd: int, key: tuple[object, ...], now: float) -> list[Effect]:
         c = self.commit
         if c is None or c.round != rnd:
             return []
         self.own_exported = rnd
-        if self.reducer == self.me.id:
+        if self.reducer == self.node.me.id:
             return self._maybe_reduce(now)
-        count = digest(c).counts.get(self.me.id, 0)
-        size = self.train.stage_grad_bytes[self.me.stage]
-        return [self.send_booked(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
+        count = digest(c).counts.get(self.node.me.id, 0)
+        size = self.node.train.stage_grad_bytes[self.node.me.stage]
+        return [self.node.send_booked(self.reducer, GradShare(iteration=c.iteration, round=rnd, key=key, count=count,
                                                          size_bytes=size), now)]
 
     @handles(msgs.GradShare, sender=Sender.REPLICA)
     def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
-        if msg.iteration != self.iteration:
+        if msg.iteration != self.node.iteration:
             return []
-        if self.cfg.reduce == "butterfly":
-            return self.bf_on_share(sender, msg, now)
+        if self.node.cfg.reduce == "butterfly":
+            return self.bf.bf_on_share(sender, msg, now)
         self.shares.setdefault(msg.round, set()).add(sender)
         c = self.commit
         if c is None or c.round != msg.round:
             return []
-        return self._maybe_reduce(now) if self.reducer == self.me.id else self._maybe_have(now)
+        return self._maybe_reduce(now) if self.reducer == self.node.me.id else self._maybe_have(now)
 
     def _maybe_reduce(self, now: float) -> list[Effect]:
         c = self.commit
-        if c is None or self.reducer != self.me.id or self.have_round == c.round:
+        if c is None or self.reducer != self.node.me.id or self.have_round == c.round:
             return []
         d = digest(c)
-        mine = d.counts.get(self.me.id, 0)
+        mine = d.counts.get(self.node.me.id, 0)
         if mine and self.own_exported != c.round:
             return []
         got = self.shares.get(c.round, set())
         if len(got) < self.need_count or not self.need <= got:
             return []
-        keys = tuple(("pgrad", self.me.stage, c.iteration, n, c.round) for n in d.positive)
+        keys = tuple(("pgrad", self.node.me.stage, c.iteration, n, c.round) for n in d.positive)
         total = d.total
-        job = self.job(ComputeKind.REDUCE, c.round)
+        job = self.node.job(ComputeKind.REDUCE, c.round)
         self.have_round = NONE
-        return [Compute(job, ComputeKind.REDUCE, self.me.stage, None, 0.0, keys, (self._rkey(c),),
+        return [Compute(job, ComputeKind.REDUCE, self.node.me.stage, None, 0.0, keys, (self._rkey(c),),
                         count=total)]
 
     def _reduced(self, rnd: int, now: float) -> list[Effect]:
@@ -335,7 +348,7 @@ class AggregationMixin(ButterflyMixin):
     def _maybe_have(self, now: float) -> list[Effect]:
         """A replica got the reduced gradient from its parent (`need`)."""
         c = self.commit
-        if c is None or self.have_round == c.round or self.reducer == self.me.id:
+        if c is None or self.have_round == c.round or self.reducer == self.node.me.id:
             return []
         if not self.need <= self.shares.get(c.round, set()):
             return []
@@ -346,27 +359,27 @@ class AggregationMixin(ButterflyMixin):
         children in the broadcast tree (every other replica when I am the reducer of a star)."""
         self.have_round = c.round
         d = digest(c)
-        out: list[Effect] = [self.send(self.leader, Have(term=self.term, iteration=c.iteration, round=c.round))]
-        children = tree_children(d, self.me.id, self.cfg.reduce_fanout)
+        out: list[Effect] = [self.node.send(self.node.leader, Have(term=self.node.term, iteration=c.iteration, round=c.round))]
+        children = tree_children(d, self.node.me.id, self.node.cfg.reduce_fanout)
         if children:
             msg = GradShare(iteration=c.iteration, round=c.round, key=self._rkey(c), count=d.total,
-                            size_bytes=self.train.stage_grad_bytes[self.me.stage])
-            out += [self.send_booked(r, msg, now) for r in children]
+                            size_bytes=self.node.train.stage_grad_bytes[self.node.me.stage])
+            out += [self.node.send_booked(r, msg, now) for r in children]
         return out
 
     @handles(msgs.Step, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_step(self, sender: NodeId, msg: Step, now: float) -> list[Effect]:
-        if msg.iteration != self.iteration or self.version != msg.iteration:
+        if msg.iteration != self.node.iteration or self.node.version != msg.iteration:
             return []
         if self.have_round != msg.round or self.commit is None:
             return [log("error", "step_without_gradients", iteration=msg.iteration, round=msg.round)]
         c = self.commit
-        self.version = msg.iteration + 1  # later computes run after this step (FIFO per node)
-        self._clear_iteration()
+        self.node.version = msg.iteration + 1  # later computes run after this step (FIFO per node)
+        self.node.clear_iteration()
         contributors = digest(c).positive
-        job = self.job(ComputeKind.STEP, (msg.iteration, c.round, contributors))
-        return [Compute(job, ComputeKind.STEP, self.me.stage, None, 0.0, (self._rkey(c),), ()),
-                *self._replicate_checkpoint(c, self.version), FreeIteration(msg.iteration - 1)]
+        job = self.node.job(ComputeKind.STEP, (msg.iteration, c.round, contributors))
+        return [Compute(job, ComputeKind.STEP, self.node.me.stage, None, 0.0, (self._rkey(c),), ()),
+                *self._replicate_checkpoint(c, self.node.version), FreeIteration(msg.iteration - 1)]
 
     def _replicate_checkpoint(self, c: Commit, version: int) -> list[Effect]:
         """At a checkpoint version, relay replicas send it to the data holders, which keep the
@@ -374,59 +387,59 @@ class AggregationMixin(ButterflyMixin):
         holders are dealt round-robin over the round's sorted replicas (the Commit's list, the
         same at every replica), so each data holder gets one copy and the uplinks share the
         load. The export runs after the step (computes are FIFO): it holds state `version`."""
-        if not self.cfg.checkpoint_replicate or self.me.stage == 0 or version % self.cfg.checkpoint_every:
+        if not self.node.cfg.checkpoint_replicate or self.node.me.stage == 0 or version % self.node.cfg.checkpoint_every:
             return []
         replicas = sorted(c.replicas)
-        if self.me.id not in replicas:
+        if self.node.me.id not in replicas:
             return []
-        mine, n = replicas.index(self.me.id), len(replicas)
-        dhs = sorted(self.data_holders())
+        mine, n = replicas.index(self.node.me.id), len(replicas)
+        dhs = sorted(self.node.data_holders())
         targets = tuple(d for j, d in enumerate(dhs) if j % n == mine)
         if not targets:
             return []
-        key = ("ckpt", self.me.stage, version, self.me.id)
-        size = self.train.stage_state_bytes[self.me.stage]
-        job = self.job(ComputeKind.EXPORT_CHECKPOINT, (targets, key, version))
-        return [Compute(job, ComputeKind.EXPORT_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
+        key = ("ckpt", self.node.me.stage, version, self.node.me.id)
+        size = self.node.train.stage_state_bytes[self.node.me.stage]
+        job = self.node.job(ComputeKind.EXPORT_CHECKPOINT, (targets, key, version))
+        return [Compute(job, ComputeKind.EXPORT_CHECKPOINT, self.node.me.stage, None, 0.0, (), (key,), size)]
 
     def aggregation_compute_done(self, kind: ComputeKind, ref: Any, now: float) -> list[Effect]:
-        butterfly = self.cfg.reduce == "butterfly"
+        butterfly = self.node.cfg.reduce == "butterfly"
         if kind == ComputeKind.EXPORT_GRAD:
             rnd, key = ref
-            return self.bf_exported(rnd, now) if butterfly else self._share_grads(rnd, key, now)
+            return self.bf.bf_exported(rnd, now) if butterfly else self._share_grads(rnd, key, now)
         if kind == ComputeKind.REDUCE:
-            return self.bf_reduced(ref, now) if butterfly else self._reduced(ref, now)
+            return self.bf.bf_reduced(ref, now) if butterfly else self._reduced(ref, now)
         if kind == ComputeKind.CONCAT:
-            return self.bf_joined(ref, now)
+            return self.bf.bf_joined(ref, now)
         if kind == ComputeKind.STEP:
             it, rnd, contributors = ref
-            return [record(RecordName.STEP, node=self.me.id, stage=self.me.stage, iteration=it, round=rnd,
+            return [record(RecordName.STEP, node=self.node.me.id, stage=self.node.me.stage, iteration=it, round=rnd,
                            version=it + 1, contributors=contributors), FreeIteration(it)]
         return []
 
     @handles(msgs.Rollback, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_rollback(self, sender: NodeId, msg: Rollback, now: float) -> list[Effect]:
-        held = self.version == msg.version  # our weights are that version already (e.g. a joiner
+        held = self.node.version == msg.version  # our weights are that version already (e.g. a joiner
         # that just imported it): nothing to load, and our own disk may not even hold it
-        self._clear_iteration()
-        self.pending_fwd.clear()
-        self.version = msg.version
-        self.iteration = msg.version
+        self.node.clear_iteration()
+        self.node.pending_fwd.clear()
+        self.node.version = msg.version
+        self.node.iteration = msg.version
         self.started_iter = NONE
         self.commit = None  # the rolled-back iterations' rounds are void (IterStart keeps them
         self.shares = {}  # when the iteration number does not change)
-        self.rparts = {}
+        self.bf.rparts = {}
         self.have_round = NONE
-        if not self.active:
+        if not self.node.active:
             return []
         if held:
-            return [record(RecordName.ROLLBACK_NODE, node=self.me.id, version=msg.version, held=True), FreeIteration(10**9)]
-        job = self.job(ComputeKind.LOAD_CHECKPOINT, msg.version)
-        size = self.train.stage_state_bytes[self.me.stage]
-        key = ("state", self.me.stage, msg.version, "checkpoint")
-        return [record(RecordName.ROLLBACK_NODE, node=self.me.id, version=msg.version),
+            return [record(RecordName.ROLLBACK_NODE, node=self.node.me.id, version=msg.version, held=True), FreeIteration(10**9)]
+        job = self.node.job(ComputeKind.LOAD_CHECKPOINT, msg.version)
+        size = self.node.train.stage_state_bytes[self.node.me.stage]
+        key = ("state", self.node.me.stage, msg.version, "checkpoint")
+        return [record(RecordName.ROLLBACK_NODE, node=self.node.me.id, version=msg.version),
                 FreeIteration(10**9),
-                Compute(job, ComputeKind.LOAD_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
+                Compute(job, ComputeKind.LOAD_CHECKPOINT, self.node.me.stage, None, 0.0, (), (key,), size)]
 
     def mb_of(self, c: Contrib) -> MbId:
-        return (c[0], self.iteration, c[1])
+        return (c[0], self.node.iteration, c[1])

@@ -32,11 +32,15 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gwtf.protocol.base import IdentityMemo, NodeId, log
 from gwtf.protocol.kinds import ComputeKind
-from gwtf.protocol.ledger import CoreState, Effect
+from gwtf.protocol.ledger import Effect
 from gwtf.protocol.messages import NONE, Commit, Compute, GradShare, Have, TensorKey
+
+if TYPE_CHECKING:
+    from gwtf.protocol.aggregation import Aggregation
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,104 +85,115 @@ def rotated(owners: tuple[NodeId, ...], i: int) -> list[int]:
     return [(i + k) % n for k in range(1, n)]
 
 
-class ButterflyMixin(CoreState):
-    """The replica side of the butterfly all-reduce (see the module docstring)."""
+class Butterfly:
+    """The replica side of the butterfly all-reduce (see the module docstring): `Aggregation.bf`.
+    It owns the reduced parts received and its progress through the round; the barrier's state
+    (the Commit, shares, the round held) it reaches through `agg`, the node through `node`."""
+
+    def __init__(self, agg: Aggregation) -> None:
+        self.agg = agg
+        self.node = agg.node
+        self.rparts: dict[int, set[NodeId]] = {}  # round -> senders of the reduced parts held
+        # the round whose part reduction was issued / whose reduced part was sent / whose parts are being joined
+        self.bf_reducing = NONE
+        self.bf_reduced_round = NONE
+        self.bf_joining = NONE
 
     def bf_commit(self, c: Commit, now: float) -> list[Effect]:
         """`Commit` taken (AggregationMixin.on_commit): export my parts, or wait for the others'."""
         lay = layout(c)
-        if self.me.id not in lay.index:
+        if self.node.me.id not in lay.index:
             return [log("error", "commit_without_me", round=c.round)]
         self.bf_reducing = self.bf_reduced_round = self.bf_joining = NONE  # a new round: nothing of the old counts
-        self.reducer = lay.owners[0]  # names the joined reduced gradient's key, as gather's does
-        self.need = {n for n in lay.positive if n != self.me.id}
-        self.need_count = len(self.need)
-        if lay.counts.get(self.me.id, 0) > 0:
-            keys = tuple(part_key(self.me.stage, c.iteration, self.me.id, c.round, j) for j in range(len(lay.owners)))
-            job = self.job(ComputeKind.EXPORT_GRAD, (c.round, keys))
-            return [Compute(job, ComputeKind.EXPORT_GRAD, self.me.stage, None, 0.0, (), keys)]
+        self.agg.reducer = lay.owners[0]  # names the joined reduced gradient's key, as gather's does
+        self.agg.need = {n for n in lay.positive if n != self.node.me.id}
+        self.agg.need_count = len(self.agg.need)
+        if lay.counts.get(self.node.me.id, 0) > 0:
+            keys = tuple(part_key(self.node.me.stage, c.iteration, self.node.me.id, c.round, j) for j in range(len(lay.owners)))
+            job = self.node.job(ComputeKind.EXPORT_GRAD, (c.round, keys))
+            return [Compute(job, ComputeKind.EXPORT_GRAD, self.node.me.stage, None, 0.0, (), keys)]
         return self._bf_maybe_reduce(now)
 
     def bf_exported(self, rnd: int, now: float) -> list[Effect]:
         """My parts are exported: part j to its owner (reduce-scatter)."""
-        c = self.commit
+        c = self.agg.commit
         if c is None or c.round != rnd:
             return []
-        self.own_exported = rnd
+        self.agg.own_exported = rnd
         lay = layout(c)
-        size, parts, count = self.train.stage_grad_bytes[self.me.stage], len(lay.owners), lay.counts[self.me.id]
+        size, parts, count = self.node.train.stage_grad_bytes[self.node.me.stage], len(lay.owners), lay.counts[self.node.me.id]
         out: list[Effect] = []
-        for j in rotated(lay.owners, lay.index[self.me.id]):
-            msg = GradShare(iteration=c.iteration, round=rnd, key=part_key(self.me.stage, c.iteration, self.me.id, rnd, j),
+        for j in rotated(lay.owners, lay.index[self.node.me.id]):
+            msg = GradShare(iteration=c.iteration, round=rnd, key=part_key(self.node.me.stage, c.iteration, self.node.me.id, rnd, j),
                             count=count, size_bytes=part_bytes(size, parts, j))
-            out.append(self.send_booked(lay.owners[j], msg, now))
+            out.append(self.node.send_booked(lay.owners[j], msg, now))
         return out + self._bf_maybe_reduce(now)
 
     def bf_on_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
         """A contributor's part for me to reduce ("pgrad"), or an owner's reduced part ("rgrad")."""
         key = msg.key
-        if len(key) != 6 or key[0] not in ("pgrad", "rgrad") or key[1] != self.me.stage or key[3] != sender \
+        if len(key) != 6 or key[0] not in ("pgrad", "rgrad") or key[1] != self.node.me.stage or key[3] != sender \
                 or key[4] != msg.round:
             return [log("warning", "bad_grad_share", sender=sender, key=str(key)[:80])]
-        (self.shares if key[0] == "pgrad" else self.rparts).setdefault(msg.round, set()).add(sender)
-        c = self.commit
+        (self.agg.shares if key[0] == "pgrad" else self.rparts).setdefault(msg.round, set()).add(sender)
+        c = self.agg.commit
         if c is None or c.round != msg.round:
             return []
         return self._bf_maybe_reduce(now) if key[0] == "pgrad" else self._bf_maybe_join(now)
 
     def _bf_maybe_reduce(self, now: float) -> list[Effect]:
         """Every contributor's part of mine is here (and my own export done): reduce it."""
-        c = self.commit
+        c = self.agg.commit
         if c is None or self.bf_reducing == c.round:
             return []
         lay = layout(c)
-        if lay.counts.get(self.me.id, 0) > 0 and self.own_exported != c.round:
+        if lay.counts.get(self.node.me.id, 0) > 0 and self.agg.own_exported != c.round:
             return []
-        got = self.shares.get(c.round, set())
-        if len(got) < self.need_count or not self.need <= got:
+        got = self.agg.shares.get(c.round, set())
+        if len(got) < self.agg.need_count or not self.agg.need <= got:
             return []
         self.bf_reducing = c.round
-        j, st = lay.index[self.me.id], self.me.stage
+        j, st = lay.index[self.node.me.id], self.node.me.stage
         keys = tuple(part_key(st, c.iteration, n, c.round, j) for n in lay.positive)
-        out_key = reduced_key(st, c.iteration, self.me.id, c.round, j)
-        job = self.job(ComputeKind.REDUCE, c.round)
+        out_key = reduced_key(st, c.iteration, self.node.me.id, c.round, j)
+        job = self.node.job(ComputeKind.REDUCE, c.round)
         return [Compute(job, ComputeKind.REDUCE, st, None, 0.0, keys, (out_key,), count=lay.total)]
 
     def bf_reduced(self, rnd: int, now: float) -> list[Effect]:
         """My part is reduced: to every other replica (all-gather)."""
-        c = self.commit
+        c = self.agg.commit
         if c is None or c.round != rnd:
             return []
         self.bf_reduced_round = rnd
         lay = layout(c)
-        j = lay.index[self.me.id]
-        msg = GradShare(iteration=c.iteration, round=rnd, key=reduced_key(self.me.stage, c.iteration, self.me.id, rnd, j),
-                        count=lay.total, size_bytes=part_bytes(self.train.stage_grad_bytes[self.me.stage],
+        j = lay.index[self.node.me.id]
+        msg = GradShare(iteration=c.iteration, round=rnd, key=reduced_key(self.node.me.stage, c.iteration, self.node.me.id, rnd, j),
+                        count=lay.total, size_bytes=part_bytes(self.node.train.stage_grad_bytes[self.node.me.stage],
                                                                len(lay.owners), j))
-        out = [self.send_booked(lay.owners[k], msg, now) for k in rotated(lay.owners, j)]
+        out = [self.node.send_booked(lay.owners[k], msg, now) for k in rotated(lay.owners, j)]
         return out + self._bf_maybe_join(now)
 
     def _bf_maybe_join(self, now: float) -> list[Effect]:
         """Every reduced part is here: join them into the round's reduced gradient."""
-        c = self.commit
+        c = self.agg.commit
         if c is None or self.bf_reduced_round != c.round or self.bf_joining == c.round:
             return []
         lay = layout(c)
         got = self.rparts.get(c.round, set())
-        if len(got) < len(lay.owners) - 1 or not all(o in got for o in lay.owners if o != self.me.id):
+        if len(got) < len(lay.owners) - 1 or not all(o in got for o in lay.owners if o != self.node.me.id):
             return []
         self.bf_joining = c.round
-        st = self.me.stage
+        st = self.node.me.stage
         keys = tuple(reduced_key(st, c.iteration, o, c.round, j) for j, o in enumerate(lay.owners))
-        job = self.job(ComputeKind.CONCAT, c.round)
-        out_key = ("rgrad", st, c.iteration, self.reducer, c.round)
+        job = self.node.job(ComputeKind.CONCAT, c.round)
+        out_key = ("rgrad", st, c.iteration, self.agg.reducer, c.round)
         return [Compute(job, ComputeKind.CONCAT, st, None, 0.0, keys, (out_key,), count=lay.total)]
 
     def bf_joined(self, rnd: int, now: float) -> list[Effect]:
         """I hold the reduced gradient of the round: tell the leader."""
-        c = self.commit
+        c = self.agg.commit
         if c is None or c.round != rnd:
             return []
-        self.have_round = rnd
-        return [self.send(self.leader, Have(term=self.term, iteration=c.iteration, round=rnd))]
+        self.agg.have_round = rnd
+        return [self.node.send(self.node.leader, Have(term=self.node.term, iteration=c.iteration, round=rnd))]
 

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, cast
 
 from gwtf.config import FlowConfig, ProtocolConfig
 from gwtf.protocol import messages as m
-from gwtf.protocol.aggregation import AggregationMixin
+from gwtf.protocol.aggregation import Aggregation
 from gwtf.protocol.base import Message, NodeId, Send, log
 from gwtf.protocol.dispatch import Fence, Route, Sender, Termed, router_route, routes_of
 from gwtf.protocol.kinds import ComputeKind, RecordName
@@ -67,7 +67,7 @@ def make_router(name: str, me: PeerInfo, train: TrainParams, rng: random.Random,
     return GreedyRouter(me, train.stages, train.route_bytes)
 
 
-class NodeCore(AggregationMixin, MembershipMixin, TrainingMixin):
+class NodeCore(MembershipMixin, TrainingMixin):
     """One node's protocol brain: events in, effects out (see the module docstring)."""
 
     def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
@@ -90,6 +90,7 @@ class NodeCore(AggregationMixin, MembershipMixin, TrainingMixin):
         CoreState.__init__(self, me, cfg, train, rng, router, policy or Policy())
         self.link_prior = link_prior
         self.coord = Coordinator(self)
+        self.agg = Aggregation(self)
         self.router_factory = router_factory
         self._resends: dict[int, tuple[NodeId, Message]] = {}
         self._resend_seq = 0
@@ -142,7 +143,7 @@ class NodeCore(AggregationMixin, MembershipMixin, TrainingMixin):
         kind, ref = entry
         out = self.training_compute_done(kind, ref, now)
         out += self.membership_compute_done(kind, ref, now)
-        out += self.aggregation_compute_done(kind, ref, now)
+        out += self.agg.aggregation_compute_done(kind, ref, now)
         return self._drain(out, now)
 
     def on_compute_failed(self, job_id: int, reason: str, now: float) -> list[Effect]:
@@ -197,7 +198,7 @@ class NodeCore(AggregationMixin, MembershipMixin, TrainingMixin):
 
     # ---- dispatch ----------------------------------------------------------------------
 
-    PARTS: ClassVar[dict[str, type]] = {"coord": Coordinator}
+    PARTS: ClassVar[dict[str, type]] = {"coord": Coordinator, "agg": Aggregation}
     """The parts that are objects of their own (attribute name -> class): their `@handles`
     methods are dispatched to the object."""
     _routes: dict[type, Route] = {}  # per concrete class: message class -> route (dispatch.routes_of)

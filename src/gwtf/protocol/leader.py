@@ -105,7 +105,7 @@ class Coordinator:
     def leader_init(self, now: float, recovering: bool) -> list[Effect]:
         self.node.is_leader = True
         # a new leader's rounds must not collide with commits the old one may have sent
-        seen = max(self.node.have_round, self.node.commit.round if self.node.commit is not None else NONE)
+        seen = max(self.node.agg.have_round, self.node.agg.commit.round if self.node.agg.commit is not None else NONE)
         prev: LeaderState | None = self.lead
         last = prev.round if prev is not None else 0
         self.lead = LeaderState(term=self.node.term, t=self.node.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
 from gwtf.protocol.kinds import ComputeKind
-from gwtf.protocol.messages import NONE, Commit, Forward, MbId, TensorKey
+from gwtf.protocol.messages import NONE, Forward, MbId, TensorKey
 from gwtf.protocol.messages import Effect as Effect  # re-exported: the parts import it from here
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 
 if TYPE_CHECKING:  # annotation only: the leader part imports this module
+    from gwtf.protocol.aggregation import Aggregation
     from gwtf.protocol.leader import Coordinator
 
 DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
@@ -141,6 +142,7 @@ class CoreState:
     link_prior: LinkPrior | None = None  # set by NodeCore's constructor (a driver's link priors)
     router_factory: Callable[[PeerInfo], Router] | None = None  # ... and the router a joiner builds
     coord: Coordinator  # the leader part (NodeCore's constructor)
+    agg: Aggregation  # the replica side of the iteration barrier (NodeCore's constructor)
     pending_stage: dict[NodeId, tuple[int, int]]  # leader: joiner -> (assigned stage, capacity) (membership)
     welcomed_with: dict[NodeId, frozenset[NodeId]]  # leader: members a joiner's Welcome listed (membership)
 
@@ -178,7 +180,6 @@ class CoreState:
         self.grad_cache: dict[MbId, tuple[TensorKey, tuple[NodeId, ...], tuple[int, ...]]] = {}
         self.gouts: dict[MbId, GradOut] = {}
         self.pending_fwd: list[tuple[NodeId, Forward]] = []
-        self.collect_due = NONE  # a Collect for this iteration came before its IterStart
         self.pending_acks: list[Send] = []
         self.uplink_free_est_s = 0.0  # when our uplink will have sent what we queued on it
         self.uplink_done_s = -1.0  # when the last acked tensor left our uplink, as its ack measured
@@ -187,23 +188,7 @@ class CoreState:
         self.ack_excess_ema_s: dict[NodeId, float] = {}
         # per-iteration state of the data holder and of the aggregation barrier
         self.dh_started = 0
-        self.dh_reported_done = False
         self.rt_ema_s = 0.0
-        self.started_iter = NONE
-        self.reported = False
-        self.commit: Commit | None = None  # the leader's last Commit for this iteration
-        self.shares: dict[int, set[NodeId]] = {}
-        self.have_round = NONE
-        self.need: set[NodeId] = set()  # contributors whose gradient we still wait for
-        self.need_count = 0
-        self.reducer: NodeId = ""  # the stage replica that sums the gradients of the committed round
-        self.own_exported = NONE  # round whose own gradient export finished
-        # the butterfly all-reduce (protocol.butterfly): reduced parts' senders by round, and the
-        # round whose part reduction was issued / whose reduced part was sent / whose parts are being joined
-        self.rparts: dict[int, set[NodeId]] = {}
-        self.bf_reducing = NONE
-        self.bf_reduced_round = NONE
-        self.bf_joining = NONE
 
     # -- the parts' interface to each other -------------------------------------------------
     # Declared here, implemented by one part each (named in the docstring); NodeCore's MRO puts
@@ -257,11 +242,15 @@ class CoreState:
         """Training: an aggregation redo chain of `mb` was lost with a peer."""
         raise NotImplementedError
 
-    def _clear_iteration(self) -> None:
-        """Aggregation: drop the ledger of the current iteration."""
-        raise NotImplementedError
-
     # -- helpers -----------------------------------------------------------------------------
+
+    def clear_iteration(self) -> None:
+        """Drop the ledger of the current iteration (a new iteration, a reset, a stage move)."""
+        self.legs.clear()
+        self.origins.clear()
+        self.contributed.clear()
+        self.grad_cache.clear()
+        self.gouts.clear()
 
     def job(self, kind: ComputeKind, ref: Any) -> int:
         self._job_seq += 1

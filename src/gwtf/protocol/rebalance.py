@@ -114,7 +114,7 @@ class RebalanceMixin(CoreState):
         out: list[Effect] = [record(event, node=self.me.id, stage=self.me.stage, to=msg.stage)]
         self.move_target = msg.stage
         self.active = False
-        self._clear_iteration()
+        self.clear_iteration()
         self.jobs.clear()
         self.pending_fwd.clear()
         self.suspects.clear()

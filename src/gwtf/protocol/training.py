@@ -84,7 +84,7 @@ class TrainingMixin(CoreState):
     def _dh_progress(self, now: float) -> list[Effect]:
         out = self._dh_fill(now)
         if self.dh_started >= self.train.microbatches and all(self._finished(o) for o in self.origins.values()):
-            out += self.dh_done(now)
+            out += self.agg.dh_done(now)
         return out
 
     def dh_done(self, now: float) -> list[Effect]:  # overridden by the aggregation part
@@ -327,7 +327,7 @@ class TrainingMixin(CoreState):
     def _contribute(self, mb: MbId, n: int, now: float) -> list[Effect]:
         self.contributed[mb] = n
         out: list[Effect] = [record(RecordName.CONTRIBUTE, node=self.me.id, stage=self.me.stage, mb=mb)]
-        return out + self.after_contribution(now)
+        return out + self.agg.after_contribution(now)
 
     def _after_backward(self, leg: Leg, path: tuple[NodeId, ...], legs: tuple[int, ...], gkey: TensorKey,
                         now: float) -> list[Effect]:
