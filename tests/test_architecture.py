@@ -202,7 +202,7 @@ def test_every_declared_interface_is_implemented_by_each_system_core() -> None:
 
     declared = [n for n, v in vars(CoreState).items() if callable(v) and n not in ("__init__",)
                 and _raises_not_implemented(v)]
-    assert len(declared) >= 10, declared
+    assert len(declared) >= 5, declared  # the membership part's, while it is a mixin
     for name, factory in SYSTEMS.items():
         core = factory(ProtocolConfig()).core
         missing = [n for n in declared if getattr(core, n) is getattr(CoreState, n)]

@@ -76,7 +76,7 @@ def _run_with_backward_crash(system: str, stage: int) -> tuple[list[Any], list[t
     sim.start()
     while not crashed and sim.engine.step():
         for nid, core in sorted(sim.cores.items()):
-            legs = [leg for leg in core.legs.values() if leg.phase == "bwd"]
+            legs = [leg for leg in core.plane.legs.values() if leg.phase == "bwd"]
             if core.me.stage == stage and legs and sim.engine.now > 1.0:
                 crashed.append((nid, legs[0].mb))
                 sim.crash(nid)

@@ -196,7 +196,7 @@ class Aggregation:
         self.started_iter = msg.iteration
         self.dh_reported_done = False
         if msg.iteration != self.node.iteration:
-            self.node.clear_iteration()
+            self.node.plane.clear_iteration()
             # (a joiner activated during this iteration sees its first IterStart for it only
             # from a new leader's recovery; a gradient share of the new round that came first
             # must survive it: faultgen seed 501556 waited for that share for good)
@@ -208,10 +208,10 @@ class Aggregation:
         self.reported = False
         out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.node.me.id, iteration=msg.iteration)]
         if self.node.me.stage == 0:
-            out += self.node.dh_start_iteration(now)
-        pending, self.node.pending_fwd = self.node.pending_fwd, []
+            out += self.node.plane.dh_start_iteration(now)
+        pending, self.node.plane.pending_fwd = self.node.plane.pending_fwd, []
         for s, m in pending:
-            out += self.node.on_forward(s, m, now)
+            out += self.node.plane.on_forward(s, m, now)
         if self.collect_due == msg.iteration:
             self.collect_due = NONE
             self.reported = True
@@ -219,8 +219,8 @@ class Aggregation:
         return out
 
     def _report(self, dh_done: bool = False) -> Report:
-        mine = tuple(sorted((mb[0], mb[2]) for mb in self.node.contributed if mb[1] == self.node.iteration))
-        started = tuple(range(self.node.dh_started)) if self.node.me.stage == 0 else ()
+        mine = tuple(sorted((mb[0], mb[2]) for mb in self.node.plane.contributed if mb[1] == self.node.iteration))
+        started = tuple(range(self.node.plane.dh_started)) if self.node.me.stage == 0 else ()
         done = self.node.me.stage == 0 and self.dh_reported_done
         return Report(term=self.node.term, iteration=self.node.iteration, version=self.node.version, stage=self.node.me.stage, contributed=mine,
                       dh_done=done or dh_done, dh_completed=started if (done or dh_done) else (),
@@ -253,7 +253,7 @@ class Aggregation:
     def on_reset(self, sender: NodeId, msg: Reset, now: float) -> list[Effect]:
         if msg.iteration != self.node.iteration:
             return []
-        self.node.contributed.clear()
+        self.node.plane.contributed.clear()
         job = self.node.job(ComputeKind.RESET_GRAD, None)
         return [record(RecordName.RESET, node=self.node.me.id, stage=self.node.me.stage, iteration=msg.iteration),
                 Compute(job, ComputeKind.RESET_GRAD, self.node.me.stage, None, 0.0),
@@ -375,7 +375,7 @@ class Aggregation:
             return [log("error", "step_without_gradients", iteration=msg.iteration, round=msg.round)]
         c = self.commit
         self.node.version = msg.iteration + 1  # later computes run after this step (FIFO per node)
-        self.node.clear_iteration()
+        self.node.plane.clear_iteration()
         contributors = digest(c).positive
         job = self.node.job(ComputeKind.STEP, (msg.iteration, c.round, contributors))
         return [Compute(job, ComputeKind.STEP, self.node.me.stage, None, 0.0, (self._rkey(c),), ()),
@@ -421,8 +421,8 @@ class Aggregation:
     def on_rollback(self, sender: NodeId, msg: Rollback, now: float) -> list[Effect]:
         held = self.node.version == msg.version  # our weights are that version already (e.g. a joiner
         # that just imported it): nothing to load, and our own disk may not even hold it
-        self.node.clear_iteration()
-        self.node.pending_fwd.clear()
+        self.node.plane.clear_iteration()
+        self.node.plane.pending_fwd.clear()
         self.node.version = msg.version
         self.node.iteration = msg.version
         self.started_iter = NONE

@@ -36,7 +36,7 @@ from gwtf.protocol.membership import MAX_COMPUTE_S, MembershipMixin
 from gwtf.protocol.messages import record
 from gwtf.protocol.router import PeerInfo, Router
 from gwtf.protocol.simple_router import GreedyRouter
-from gwtf.protocol.training import TrainingMixin
+from gwtf.protocol.training import DataPlane
 from gwtf.protocol.view import Roster
 
 __all__ = ["NodeCore", "Policy", "Sender", "TrainParams", "make_router", "message_routes"]
@@ -67,7 +67,7 @@ def make_router(name: str, me: PeerInfo, train: TrainParams, rng: random.Random,
     return GreedyRouter(me, train.stages, train.route_bytes)
 
 
-class NodeCore(MembershipMixin, TrainingMixin):
+class NodeCore(MembershipMixin):
     """One node's protocol brain: events in, effects out (see the module docstring)."""
 
     def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
@@ -91,6 +91,7 @@ class NodeCore(MembershipMixin, TrainingMixin):
         self.link_prior = link_prior
         self.coord = Coordinator(self)
         self.agg = Aggregation(self)
+        self.plane = DataPlane(self)
         self.router_factory = router_factory
         self._resends: dict[int, tuple[NodeId, Message]] = {}
         self._resend_seq = 0
@@ -141,7 +142,7 @@ class NodeCore(MembershipMixin, TrainingMixin):
         if entry is None or not self.alive:
             return []
         kind, ref = entry
-        out = self.training_compute_done(kind, ref, now)
+        out = self.plane.training_compute_done(kind, ref, now)
         out += self.membership_compute_done(kind, ref, now)
         out += self.agg.aggregation_compute_done(kind, ref, now)
         return self._drain(out, now)
@@ -198,7 +199,7 @@ class NodeCore(MembershipMixin, TrainingMixin):
 
     # ---- dispatch ----------------------------------------------------------------------
 
-    PARTS: ClassVar[dict[str, type]] = {"coord": Coordinator, "agg": Aggregation}
+    PARTS: ClassVar[dict[str, type]] = {"coord": Coordinator, "agg": Aggregation, "plane": DataPlane}
     """The parts that are objects of their own (attribute name -> class): their `@handles`
     methods are dispatched to the object."""
     _routes: dict[type, Route] = {}  # per concrete class: message class -> route (dispatch.routes_of)
@@ -294,13 +295,9 @@ class NodeCore(MembershipMixin, TrainingMixin):
             return out + (self.coord.leader_tick(now) if self.is_leader else [])
         if kind == "probe":
             return self.on_probe_timer(key[1], key[2], now)
-        if kind == "ackf":
-            ref = key[1]
-            rec = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
-            return self.fwd_failed(ref, rec.next, now) if rec is not None else []
         handlers: dict[str, Callable[[Any, float], list[Effect]]] = {
-            "ackb": self.bwd_failed, "redo": self.redo_failed, "gget": self.chain_failed,
-            "retry": self.on_retry, "mb": self.on_mb_deadline, "resend": self._resend_control,
+            "ackf": self.plane.on_ack_timeout, "ackb": self.plane.bwd_failed, "redo": self.plane.redo_failed, "gget": self.plane.chain_failed,
+            "retry": self.plane.on_retry, "mb": self.plane.on_mb_deadline, "resend": self._resend_control,
             "unsuspect": self.on_unsuspect_timer, "join": self.on_join_timer, "sget": self.on_state_timer,
         }
         handler = handlers.get(kind)
@@ -309,15 +306,15 @@ class NodeCore(MembershipMixin, TrainingMixin):
     def _send_failed(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
         if isinstance(msg, m.Forward):
             ref: Any = msg.mb if self.me.stage == 0 and msg.path == (self.me.id,) else msg.legs[-1]
-            return self.fwd_failed(ref, to, now)
+            return self.plane.fwd_failed(ref, to, now)
         if isinstance(msg, m.Backward):
-            g = self.gouts.get(msg.mb)
-            return self.bwd_failed(msg.mb, now) if g is not None and g.path[g.pos - 1] == to else []
+            g = self.plane.gouts.get(msg.mb)
+            return self.plane.bwd_failed(msg.mb, now) if g is not None and g.path[g.pos - 1] == to else []
         if isinstance(msg, m.Redo) and not msg.agg:
-            return self.redo_failed(msg.mb, now)
+            return self.plane.redo_failed(msg.mb, now)
         if isinstance(msg, m.GradRequest):
             ref = msg.legs[-1] if self.me.stage != 0 else msg.mb
-            return self.chain_failed(ref, now)
+            return self.plane.chain_failed(ref, now)
         if isinstance(msg, m.LeaderVote):
             self.vote_failed_to(to)
             return []

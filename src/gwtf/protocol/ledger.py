@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import CancelTimer, Message, NodeId, Send, SetTimer
 from gwtf.protocol.kinds import ComputeKind
-from gwtf.protocol.messages import NONE, Forward, MbId, TensorKey
+from gwtf.protocol.messages import NONE, MbId, TensorKey
 from gwtf.protocol.messages import Effect as Effect  # re-exported: the parts import it from here
 from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 
 if TYPE_CHECKING:  # annotation only: the leader part imports this module
     from gwtf.protocol.aggregation import Aggregation
     from gwtf.protocol.leader import Coordinator
+    from gwtf.protocol.training import DataPlane
 
 DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
 
@@ -143,6 +144,7 @@ class CoreState:
     router_factory: Callable[[PeerInfo], Router] | None = None  # ... and the router a joiner builds
     coord: Coordinator  # the leader part (NodeCore's constructor)
     agg: Aggregation  # the replica side of the iteration barrier (NodeCore's constructor)
+    plane: DataPlane  # the microbatch data plane and its ledger (NodeCore's constructor)
     pending_stage: dict[NodeId, tuple[int, int]]  # leader: joiner -> (assigned stage, capacity) (membership)
     welcomed_with: dict[NodeId, frozenset[NodeId]]  # leader: members a joiner's Welcome listed (membership)
 
@@ -172,23 +174,11 @@ class CoreState:
         self.term = 0  # leadership term (epoch): the initial leader leads term 0 unelected
         self._job_seq = 0
         self.jobs: dict[int, tuple[ComputeKind, Any]] = {}
-        # ledger (cleared every iteration)
-        self.legs: dict[int, Leg] = {}
-        self._leg_seq = 0
-        self.origins: dict[MbId, Origin] = {}
-        self.contributed: dict[MbId, int] = {}
-        self.grad_cache: dict[MbId, tuple[TensorKey, tuple[NodeId, ...], tuple[int, ...]]] = {}
-        self.gouts: dict[MbId, GradOut] = {}
-        self.pending_fwd: list[tuple[NodeId, Forward]] = []
-        self.pending_acks: list[Send] = []
         self.uplink_free_est_s = 0.0  # when our uplink will have sent what we queued on it
         self.uplink_done_s = -1.0  # when the last acked tensor left our uplink, as its ack measured
         self.uplink_done_sent_s = -1.0  # and when that tensor was sent
         self.unmeasured_until_s = -1.0  # a tensor nothing acks (a gradient share) may hold the uplink until then
         self.ack_excess_ema_s: dict[NodeId, float] = {}
-        # per-iteration state of the data holder and of the aggregation barrier
-        self.dh_started = 0
-        self.rt_ema_s = 0.0
 
     # -- the parts' interface to each other -------------------------------------------------
     # Declared here, implemented by one part each (named in the docstring); NodeCore's MRO puts
@@ -214,52 +204,16 @@ class CoreState:
         """Membership: a peer became a member (router and link bookkeeping)."""
         raise NotImplementedError
 
-    def dh_start_iteration(self, now: float) -> list[Effect]:
-        """Training: a data holder starts its microbatches of the current iteration."""
-        raise NotImplementedError
-
-    def on_forward(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
-        """Training: an activation arrived."""
-        raise NotImplementedError
-
     def send_join(self, now: float) -> list[Effect]:
         """Membership: ask the leader (or a contact) to join."""
         raise NotImplementedError
 
-    def fwd_failed(self, ref: int | MbId, peer: NodeId, now: float) -> list[Effect]:
-        """Training: a forward sent to `peer` was lost with it."""
-        raise NotImplementedError
-
-    def chain_failed(self, ref: int | MbId, now: float) -> list[Effect]:
-        """Training: an aggregation redo chain waiting on a lost peer."""
-        raise NotImplementedError
-
-    def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
-        """Training: the backward of `mb` was lost with a peer."""
-        raise NotImplementedError
-
-    def redo_failed(self, mb: MbId, now: float) -> list[Effect]:
-        """Training: an aggregation redo chain of `mb` was lost with a peer."""
-        raise NotImplementedError
-
     # -- helpers -----------------------------------------------------------------------------
-
-    def clear_iteration(self) -> None:
-        """Drop the ledger of the current iteration (a new iteration, a reset, a stage move)."""
-        self.legs.clear()
-        self.origins.clear()
-        self.contributed.clear()
-        self.grad_cache.clear()
-        self.gouts.clear()
 
     def job(self, kind: ComputeKind, ref: Any) -> int:
         self._job_seq += 1
         self.jobs[self._job_seq] = (kind, ref)
         return self._job_seq
-
-    def new_leg(self) -> int:
-        self._leg_seq += 1
-        return self._leg_seq
 
     def send(self, to: NodeId, msg: Message) -> Send:
         return Send(to, msg)
@@ -347,9 +301,6 @@ class CoreState:
             return list(self.router.on_link_update(peer, new, now))
         return []
 
-    def mb_key(self, kind: str, mb: MbId, n: int) -> TensorKey:
-        """Tensor key of this node's `kind` tensor for microbatch `mb` on its leg `n`."""
-        return (kind, mb[0], mb[1], mb[2], self.me.id, n)
 
     def release(self, peer: NodeId) -> None:
         self.router.on_release(peer)

@@ -473,19 +473,19 @@ class MembershipMixin(CoreState):
         out: list[Effect] = list(self.router.on_peer_down(pid, now))
         if self.cfg.view_size > 0:
             out += self._widen(now)
-        for n in sorted(self.legs):
-            leg = self.legs[n]
+        for n in sorted(self.plane.legs):
+            leg = self.plane.legs[n]
             out += self._recover_rec(leg, n, pid, now)
-        for mb in sorted(self.origins):
-            out += self._recover_rec(self.origins[mb], mb, pid, now)
-        for mb in sorted(self.gouts):
-            g = self.gouts.get(mb)
+        for mb in sorted(self.plane.origins):
+            out += self._recover_rec(self.plane.origins[mb], mb, pid, now)
+        for mb in sorted(self.plane.gouts):
+            g = self.plane.gouts.get(mb)
             if g is None:
                 continue
             if g.redo_start == NONE and g.path[g.pos - 1] == pid:
-                out += self.bwd_failed(mb, now)
+                out += self.plane.bwd_failed(mb, now)
             elif g.redo_start != NONE and g.path[g.redo_start - 1] == pid:
-                out += self.redo_failed(mb, now)
+                out += self.plane.redo_failed(mb, now)
         successor = False
         if pid == self.leader:
             # the leader left gracefully: it hands the next term to the next data holder by id
@@ -502,9 +502,9 @@ class MembershipMixin(CoreState):
     def _recover_rec(self, rec: Leg | Origin, ref: int | tuple[str, int, int], pid: NodeId,
                      now: float) -> list[Effect]:
         if rec.phase in ("out", "got") and rec.next == pid:
-            return self.fwd_failed(ref, pid, now)
+            return self.plane.fwd_failed(ref, pid, now)
         if rec.phase == "gradwait" and rec.holder == pid:
-            return self.chain_failed(ref, now)
+            return self.plane.chain_failed(ref, now)
         return []
 
     @handles(msgs.MemberUp, sender=Sender.LEADER, fence=Fence.FROM_LEADER)

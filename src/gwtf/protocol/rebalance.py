@@ -114,9 +114,9 @@ class RebalanceMixin(CoreState):
         out: list[Effect] = [record(event, node=self.me.id, stage=self.me.stage, to=msg.stage)]
         self.move_target = msg.stage
         self.active = False
-        self.clear_iteration()
+        self.plane.clear_iteration()
         self.jobs.clear()
-        self.pending_fwd.clear()
+        self.plane.pending_fwd.clear()
         self.suspects.clear()
         self.me = replace(self.me, stage=-1)
         out.append(self.send(self.leader, LeaveNotice()))

@@ -21,13 +21,13 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gwtf.protocol import messages as msgs
-from gwtf.protocol.base import NodeId, log
+from gwtf.protocol.base import NodeId, Send, log
 from gwtf.protocol.dispatch import Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.ledger import CoreState, Effect, GradOut, Leg, Origin
+from gwtf.protocol.ledger import Effect, GradOut, Leg, Origin
 from gwtf.protocol.messages import (
     NONE,
     BackAck,
@@ -44,12 +44,55 @@ from gwtf.protocol.messages import (
     record,
 )
 
+if TYPE_CHECKING:
+    from gwtf.protocol.core import NodeCore
+
 EMBED, LOSS, EMBED_BWD = 0.05, 0.9, 0.05  # shares of stage 0's fwd+bwd FLOPs
 FWD, BWD = 1.0 / 3.0, 2.0 / 3.0  # relay shares
 
 
-class TrainingMixin(CoreState):
-    """Data-holder and relay behaviour for one microbatch (see the module docstring)."""
+class DataPlane:
+    """Data-holder and relay behaviour for one microbatch (see the module docstring), one per
+    node: it owns the ledger of the current iteration (legs, origins, contributions, gradient
+    caches and the gradients out) and the data holder's progress; the rest of the node it
+    reaches through `node`."""
+
+    def __init__(self, node: NodeCore) -> None:
+        self.node = node
+        # the ledger (cleared every iteration: `clear_iteration`)
+        self.legs: dict[int, Leg] = {}
+        self._leg_seq = 0
+        self.origins: dict[MbId, Origin] = {}
+        self.contributed: dict[MbId, int] = {}
+        self.grad_cache: dict[MbId, tuple[TensorKey, tuple[NodeId, ...], tuple[int, ...]]] = {}
+        self.gouts: dict[MbId, GradOut] = {}
+        self.pending_fwd: list[tuple[NodeId, Forward]] = []  # activations ahead of their IterStart
+        self.pending_acks: list[Send] = []
+        # the data holder's progress in the current iteration
+        self.dh_started = 0
+        self.rt_ema_s = 0.0
+
+    def clear_iteration(self) -> None:
+        """Drop the ledger of the current iteration (a new iteration, a reset, a stage move)."""
+        self.legs.clear()
+        self.origins.clear()
+        self.contributed.clear()
+        self.grad_cache.clear()
+        self.gouts.clear()
+
+    def new_leg(self) -> int:
+        self._leg_seq += 1
+        return self._leg_seq
+
+    def mb_key(self, kind: str, mb: MbId, n: int) -> TensorKey:
+        """Tensor key of this node's `kind` tensor for microbatch `mb` on its leg `n`."""
+        return (kind, mb[0], mb[1], mb[2], self.node.me.id, n)
+
+
+    def on_ack_timeout(self, ref: int | MbId, now: float) -> list[Effect]:
+        """The receipt ack of a forward (leg `ref`, or a data holder's microbatch) is overdue."""
+        rec = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
+        return self.fwd_failed(ref, rec.next, now) if rec is not None else []
 
     # ---- data holder: start -----------------------------------------------------------
 
@@ -59,19 +102,19 @@ class TrainingMixin(CoreState):
 
     def _dh_fill(self, now: float) -> list[Effect]:
         out: list[Effect] = []
-        cap = max(1, min(self.me.capacity, self.train.microbatches))
+        cap = max(1, min(self.node.me.capacity, self.node.train.microbatches))
         inflight = sum(1 for o in self.origins.values() if not self._finished(o))
-        while self.dh_started < self.train.microbatches and inflight < cap:
-            mb = (self.me.id, self.iteration, self.dh_started)
+        while self.dh_started < self.node.train.microbatches and inflight < cap:
+            mb = (self.node.me.id, self.node.iteration, self.dh_started)
             self.dh_started += 1
             inflight += 1
             o = Origin(mb=mb, out_key=self.mb_key("act", mb, mb[2]), started_at=now)
             self.origins[mb] = o
-            out.append(record(RecordName.MB_START, mb=mb, node=self.me.id))
-            flops = EMBED * self.train.stage_flops[0]
-            out.append(Compute(self.job(ComputeKind.EMBED, mb), ComputeKind.EMBED, 0, mb, flops, (),
+            out.append(record(RecordName.MB_START, mb=mb, node=self.node.me.id))
+            flops = EMBED * self.node.train.stage_flops[0]
+            out.append(Compute(self.node.job(ComputeKind.EMBED, mb), ComputeKind.EMBED, 0, mb, flops, (),
                                (o.out_key,)))
-            out.append(self.timer(("mb", mb), self._mb_deadline_s(), now))
+            out.append(self.node.timer(("mb", mb), self._mb_deadline_s(), now))
         return out
 
     def _finished(self, o: Origin) -> bool:
@@ -79,12 +122,12 @@ class TrainingMixin(CoreState):
         return o.phase == "done" or o.incomplete or o.mb in self.contributed
 
     def _mb_deadline_s(self) -> float:
-        return max(self.cfg.mb_deadline_floor_s, self.cfg.mb_deadline_multiplier * self.rt_ema_s)
+        return max(self.node.cfg.mb_deadline_floor_s, self.node.cfg.mb_deadline_multiplier * self.rt_ema_s)
 
     def _dh_progress(self, now: float) -> list[Effect]:
         out = self._dh_fill(now)
-        if self.dh_started >= self.train.microbatches and all(self._finished(o) for o in self.origins.values()):
-            out += self.agg.dh_done(now)
+        if self.dh_started >= self.node.train.microbatches and all(self._finished(o) for o in self.origins.values()):
+            out += self.node.agg.dh_done(now)
         return out
 
     def dh_done(self, now: float) -> list[Effect]:  # overridden by the aggregation part
@@ -97,19 +140,19 @@ class TrainingMixin(CoreState):
 
     def _pick_next(self, mb: MbId, stage: int, prev: NodeId, flow_id: int, excl: set[NodeId],
                    now: float) -> tuple[NodeId, int] | None:
-        if stage == self.S - 1:
+        if stage == self.node.S - 1:
             return mb[0], flow_id  # the last relay returns to the origin data holder
-        banned = excl | self.suspects
+        banned = excl | self.node.suspects
         if stage == 0 and flow_id == NONE:
             busy = {o.flow_id for o in self.origins.values() if o.phase in ("out", "got", "passed")}
-            for slot in self.router.flow_slots(now):
+            for slot in self.node.router.flow_slots(now):
                 if slot.flow_id not in busy and slot.next not in banned:
                     return slot.next, slot.flow_id
-        return self.router.next_hop(flow_id, prev, mb[0], banned, now)
+        return self.node.router.next_hop(flow_id, prev, mb[0], banned, now)
 
     def _send_forward(self, rec: Leg | Origin, path: tuple[NodeId, ...], legs: tuple[int, ...],
                       prev: NodeId, now: float) -> list[Effect]:
-        stage = self.me.stage
+        stage = self.node.me.stage
         choice = self._pick_next(rec.mb, stage, prev, rec.flow_id if isinstance(rec, Leg) else NONE,
                                  rec.excl, now)
         ref = rec.n if isinstance(rec, Leg) else rec.mb
@@ -119,40 +162,37 @@ class TrainingMixin(CoreState):
                                      rec.excl, now)
         if choice is None:
             rec.phase = "parked"
-            return [self.timer(("retry", ref), self.cfg.retry_period_s, now)]
+            return [self.node.timer(("retry", ref), self.node.cfg.retry_period_s, now)]
         nxt, flow_id = choice
         rec.next, rec.flow_id, rec.phase, rec.sent_at = nxt, flow_id, "out", now
-        size = self.train.activation_bytes
+        size = self.node.train.activation_bytes
         msg = Forward(mb=rec.mb, flow_id=flow_id, path=path, legs=legs, key=rec.out_key, size_bytes=size,
                       until=rec.until, holder=rec.holder, agg=rec.agg)
-        rec.sent_expect_s = self.reserve_uplink(nxt, size, now)
-        deadline = self.deadline_for(nxt, rec.sent_expect_s)
-        return [self.send(nxt, msg), self.timer(("ackf", ref), deadline, now)]
+        rec.sent_expect_s = self.node.reserve_uplink(nxt, size, now)
+        deadline = self.node.deadline_for(nxt, rec.sent_expect_s)
+        return [self.node.send(nxt, msg), self.node.timer(("ackf", ref), deadline, now)]
 
     def _resend(self, rec: Leg | Origin, now: float) -> list[Effect]:
         if isinstance(rec, Leg):
-            return self._send_forward(rec, rec.path + (self.me.id,), rec.legs + (rec.n,), rec.sender, now)
-        return self._send_forward(rec, (self.me.id,), (rec.mb[2],), self.me.id, now)
+            return self._send_forward(rec, rec.path + (self.node.me.id,), rec.legs + (rec.n,), rec.sender, now)
+        return self._send_forward(rec, (self.node.me.id,), (rec.mb[2],), self.node.me.id, now)
 
     def fwd_failed(self, ref: int | MbId, peer: NodeId, now: float) -> list[Effect]:
         """No Got from `peer` in time, or it is down before Passed: suspect it, reroute from the cache."""
         rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
         if rec is None or rec.phase not in ("out", "got") or rec.next != peer:
             return []
-        out: list[Effect] = [self.cancel(("ackf", ref)), record(RecordName.REROUTE, node=self.me.id, mb=rec.mb,
+        out: list[Effect] = [self.node.cancel(("ackf", ref)), record(RecordName.REROUTE, node=self.node.me.id, mb=rec.mb,
                                                                   dead=peer)]
-        if isinstance(rec, Leg) and self.me.stage == self.S - 1 and rec.until == NONE:
-            if peer not in self.directory:
+        if isinstance(rec, Leg) and self.node.me.stage == self.node.S - 1 and rec.until == NONE:
+            if peer not in self.node.directory:
                 rec.phase = "done"  # the origin data holder is gone: its microbatch is dropped
                 return out
             rec.phase = "parked"  # the origin is alive but unreachable now: try again later
-            return out + [self.timer(("retry", ref), self.cfg.retry_period_s, now)]
-        self.release(peer)
+            return out + [self.node.timer(("retry", ref), self.node.cfg.retry_period_s, now)]
+        self.node.release(peer)
         rec.excl.add(peer)
-        return out + self.suspect(peer, now) + self._resend(rec, now)
-
-    def suspect(self, peer: NodeId, now: float) -> list[Effect]:  # membership overrides
-        return []
+        return out + self.node.suspect(peer, now) + self._resend(rec, now)
 
     def on_retry(self, ref: int | MbId, now: float) -> list[Effect]:
         rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
@@ -164,40 +204,40 @@ class TrainingMixin(CoreState):
 
     @handles(msgs.Forward, sender=Sender.NEIGHBOUR)
     def on_forward(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
-        if msg.mb[1] > self.iteration:
+        if msg.mb[1] > self.node.iteration:
             self.pending_fwd.append((sender, msg))  # IterStart not seen yet: keep it
             return []
-        if msg.mb[1] < self.iteration or not self.active:
+        if msg.mb[1] < self.node.iteration or not self.node.active:
             return [log("debug", "stale_forward", mb=msg.mb, sender=sender)]
-        if self.me.stage == 0:
+        if self.node.me.stage == 0:
             return self._dh_return(sender, msg, now)
-        if len(msg.path) != self.me.stage:
+        if len(msg.path) != self.node.me.stage:
             return [log("warning", "wrong_stage_forward", mb=msg.mb, sender=sender)]
         n = self.new_leg()
         leg = Leg(n=n, mb=msg.mb, sender=sender, path=msg.path, legs=msg.legs, in_key=msg.key,
                   out_key=self.mb_key("act", msg.mb, n), flow_id=msg.flow_id, until=msg.until,
                   holder=msg.holder, agg=msg.agg)
         self.legs[n] = leg
-        flops = FWD * self.train.stage_flops[self.me.stage]
-        return [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1])),
-                Compute(self.job(ComputeKind.FORWARD, n), ComputeKind.FORWARD, self.me.stage, msg.mb, flops,
+        flops = FWD * self.node.train.stage_flops[self.node.me.stage]
+        return [self.node.send(sender, Got(mb=msg.mb, leg=msg.legs[-1])),
+                Compute(self.node.job(ComputeKind.FORWARD, n), ComputeKind.FORWARD, self.node.me.stage, msg.mb, flops,
                         (msg.key,), (leg.out_key,))]
 
     def _dh_return(self, sender: NodeId, msg: Forward, now: float) -> list[Effect]:
-        out: list[Effect] = [self.send(sender, Got(mb=msg.mb, leg=msg.legs[-1]))]
+        out: list[Effect] = [self.node.send(sender, Got(mb=msg.mb, leg=msg.legs[-1]))]
         o = self.origins.get(msg.mb)
         if o is None or o.phase not in ("out", "got", "passed", "parked"):
-            return out + [record(RecordName.DUP_RETURN, node=self.me.id, mb=msg.mb)]
-        out.append(self.cancel(("ackf", o.mb)))
-        self.release(o.next)
+            return out + [record(RecordName.DUP_RETURN, node=self.node.me.id, mb=msg.mb)]
+        out.append(self.node.cancel(("ackf", o.mb)))
+        self.node.release(o.next)
         o.phase = "loss"
         lgrad = self.mb_key("lgrad", o.mb, o.mb[2])
-        flops = LOSS * self.train.stage_flops[0]
-        job = self.job(ComputeKind.LOSS, (o.mb, msg.path, msg.legs, lgrad))
+        flops = LOSS * self.node.train.stage_flops[0]
+        job = self.node.job(ComputeKind.LOSS, (o.mb, msg.path, msg.legs, lgrad))
         return out + [Compute(job, ComputeKind.LOSS, 0, o.mb, flops, (msg.key,), (lgrad,))]
 
     def _rec(self, mb: MbId, leg: int) -> tuple[Leg | Origin | None, int | MbId]:
-        if self.me.stage == 0:
+        if self.node.me.stage == 0:
             return self.origins.get(mb), mb
         return self.legs.get(leg), leg
 
@@ -209,11 +249,11 @@ class TrainingMixin(CoreState):
             return []
         rec.phase = "got"
         rtt = now - rec.sent_at
-        self.observe_ack(sender, rtt, rec.sent_expect_s)
-        out: list[Effect] = [self.cancel(("ackf", ref))]
-        out += self.observe_transfer(sender, self.train.activation_bytes, rec.sent_at, now)
+        self.node.observe_ack(sender, rtt, rec.sent_expect_s)
+        out: list[Effect] = [self.node.cancel(("ackf", ref))]
+        out += self.node.observe_transfer(sender, self.node.train.activation_bytes, rec.sent_at, now)
         if isinstance(rec, Leg):
-            out.append(self.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1])))
+            out.append(self.node.send(rec.sender, Passed(mb=rec.mb, leg=rec.legs[-1])))
         return out
 
     @handles(msgs.Passed, sender=Sender.MEMBER)
@@ -225,9 +265,9 @@ class TrainingMixin(CoreState):
 
     @handles(msgs.Backward, sender=Sender.NEIGHBOUR)
     def on_backward(self, sender: NodeId, msg: Backward, now: float) -> list[Effect]:
-        if msg.mb[1] != self.iteration:
+        if msg.mb[1] != self.node.iteration:
             return []
-        pos = self.me.stage
+        pos = self.node.me.stage
         out: list[Effect] = []
         if msg.mb in self.contributed:
             return self._backward_counted(sender, msg, pos, now)
@@ -235,29 +275,29 @@ class TrainingMixin(CoreState):
             o = self.origins.get(msg.mb)
             if o is None:
                 return []
-            out.append(self.send(sender, BackAck(mb=msg.mb)))
+            out.append(self.node.send(sender, BackAck(mb=msg.mb)))
             if o.phase == "embed_bwd":
                 # a second gradient while the embedding backward runs (an aggregation redo's and
                 # the original one): its saved graph is back-propagated once; the job's end
                 # sends the final ack and counts the microbatch
                 return out
             o.phase = "embed_bwd"
-            out.append(self.cancel(("gget", o.mb)))
-            flops = EMBED_BWD * self.train.stage_flops[0]
-            job = self.job(ComputeKind.EMBED_BACKWARD, (o.mb, sender))
+            out.append(self.node.cancel(("gget", o.mb)))
+            flops = EMBED_BWD * self.node.train.stage_flops[0]
+            job = self.node.job(ComputeKind.EMBED_BACKWARD, (o.mb, sender))
             return out + [Compute(job, ComputeKind.EMBED_BACKWARD, 0, o.mb, flops, (msg.key,), ())]
-        leg = self.legs.get(msg.legs[pos]) if len(msg.legs) == self.S else None
+        leg = self.legs.get(msg.legs[pos]) if len(msg.legs) == self.node.S else None
         if leg is None or leg.mb != msg.mb or leg.phase == "bwd":
             return [log("warning", "unknown_backward", mb=msg.mb, sender=sender)]
-        out.append(self.send(sender, BackAck(mb=msg.mb)))
+        out.append(self.node.send(sender, BackAck(mb=msg.mb)))
         if leg.phase == "gradwait":
-            out.append(self.cancel(("gget", leg.n)))
+            out.append(self.node.cancel(("gget", leg.n)))
         elif leg.next:
-            self.release(leg.next)
+            self.node.release(leg.next)
         leg.phase = "bwd"
         gkey = self.mb_key("grad", leg.mb, leg.n)
-        flops = BWD * self.train.stage_flops[pos]
-        job = self.job(ComputeKind.BACKWARD, (leg.n, msg.path, msg.legs, gkey, sender))
+        flops = BWD * self.node.train.stage_flops[pos]
+        job = self.node.job(ComputeKind.BACKWARD, (leg.n, msg.path, msg.legs, gkey, sender))
         return out + [Compute(job, ComputeKind.BACKWARD, pos, leg.mb, flops,
                               (leg.in_key, leg.out_key, msg.key), (gkey,))]
 
@@ -269,18 +309,18 @@ class TrainingMixin(CoreState):
         cached when it counted the microbatch (same weights, same activation: the same
         gradient) down the chain, counting nothing again (seed 650951: every restart ended at
         a replica that had counted it, and the iteration never finished)."""
-        final: list[Effect] = [self.send(sender, BackAck(mb=msg.mb, final=True))]
+        final: list[Effect] = [self.node.send(sender, BackAck(mb=msg.mb, final=True))]
         cached = self.grad_cache.get(msg.mb)
-        leg = self.legs.get(msg.legs[pos]) if 0 < pos and len(msg.legs) == self.S else None
+        leg = self.legs.get(msg.legs[pos]) if 0 < pos and len(msg.legs) == self.node.S else None
         if cached is None or leg is None or leg.mb != msg.mb or leg.phase in ("bwd", "done") \
                 or msg.path[:pos] != leg.path:
             return final
         if leg.phase == "gradwait":
-            final.append(self.cancel(("gget", leg.n)))
+            final.append(self.node.cancel(("gget", leg.n)))
         elif leg.next:
-            self.release(leg.next)
+            self.node.release(leg.next)
         leg.phase = "done"
-        return final + [record(RecordName.GRAD_PASSED_ON, node=self.me.id, mb=msg.mb)] + \
+        return final + [record(RecordName.GRAD_PASSED_ON, node=self.node.me.id, mb=msg.mb)] + \
             self._send_grad(msg.mb, msg.path, msg.legs, pos, cached[0], now)
 
     # ---- compute completions ------------------------------------------------------------
@@ -300,64 +340,64 @@ class TrainingMixin(CoreState):
                 return []
             o.phase = "backward"
             self.grad_cache[mb] = (lgrad, path, legs)
-            return self._send_grad(mb, path, legs, self.S, lgrad, now)
+            return self._send_grad(mb, path, legs, self.node.S, lgrad, now)
         if kind == ComputeKind.BACKWARD:
             n, path, legs, gkey, ack_to = ref
             leg = self.legs.get(n)
             if leg is None or leg.mb in self.contributed:
                 return []
             leg.phase = "done"
-            ack = self.send(ack_to, BackAck(mb=leg.mb, final=True))
+            ack = self.node.send(ack_to, BackAck(mb=leg.mb, final=True))
             return self._contribute(leg.mb, n, now) + self._after_backward(leg, path, legs, gkey, now) + [ack]
         if kind == ComputeKind.EMBED_BACKWARD:
             mb, ack_to = ref
             o = self.origins.get(mb)
             if o is None or o.mb in self.contributed:
                 return []
-            self.pending_acks.append(self.send(ack_to, BackAck(mb=mb, final=True)))
+            self.pending_acks.append(self.node.send(ack_to, BackAck(mb=mb, final=True)))
             o.phase = "done"
             o.incomplete = False
             dt = now - o.started_at
-            a = self.cfg.ema_alpha
+            a = self.node.cfg.ema_alpha
             self.rt_ema_s = dt if self.rt_ema_s == 0.0 else (1 - a) * self.rt_ema_s + a * dt
             acks, self.pending_acks = self.pending_acks, []
-            return [self.cancel(("mb", o.mb))] + acks + self._contribute(o.mb, NONE, now) + self._dh_progress(now)
+            return [self.node.cancel(("mb", o.mb))] + acks + self._contribute(o.mb, NONE, now) + self._dh_progress(now)
         return []
 
     def _contribute(self, mb: MbId, n: int, now: float) -> list[Effect]:
         self.contributed[mb] = n
-        out: list[Effect] = [record(RecordName.CONTRIBUTE, node=self.me.id, stage=self.me.stage, mb=mb)]
-        return out + self.agg.after_contribution(now)
+        out: list[Effect] = [record(RecordName.CONTRIBUTE, node=self.node.me.id, stage=self.node.me.stage, mb=mb)]
+        return out + self.node.agg.after_contribution(now)
 
     def _after_backward(self, leg: Leg, path: tuple[NodeId, ...], legs: tuple[int, ...], gkey: TensorKey,
                         now: float) -> list[Effect]:
         self.grad_cache[leg.mb] = (gkey, path, legs)
-        return self._send_grad(leg.mb, path, legs, self.me.stage, gkey, now)
+        return self._send_grad(leg.mb, path, legs, self.node.me.stage, gkey, now)
 
     def _forward_done(self, n: int, now: float) -> list[Effect]:
         leg = self.legs.get(n)
         if leg is None or leg.phase != "fwd":
             return []
-        if leg.until != NONE and self.me.stage + 1 == leg.until:
+        if leg.until != NONE and self.node.me.stage + 1 == leg.until:
             # end of a redo chain: the holder has the gradient; we are now responsible
             leg.phase = "gradwait"
-            req = GradRequest(mb=leg.mb, path=leg.path + (self.me.id,), legs=leg.legs + (n,))
-            return [self.send(leg.sender, Passed(mb=leg.mb, leg=leg.legs[-1])), self.send(leg.holder, req),
-                    self.timer(("gget", n), self.ack_deadline_s(leg.holder, self.train.activation_grad_bytes), now)]
+            req = GradRequest(mb=leg.mb, path=leg.path + (self.node.me.id,), legs=leg.legs + (n,))
+            return [self.node.send(leg.sender, Passed(mb=leg.mb, leg=leg.legs[-1])), self.node.send(leg.holder, req),
+                    self.node.timer(("gget", n), self.node.ack_deadline_s(leg.holder, self.node.train.activation_grad_bytes), now)]
         return self._resend(leg, now)
 
     # ---- backward sending and the redo walk -------------------------------------------
 
     def _send_grad(self, mb: MbId, path: tuple[NodeId, ...], legs: tuple[int, ...], pos: int,
                    key: TensorKey, now: float) -> list[Effect]:
-        size = self.train.activation_grad_bytes
+        size = self.node.train.activation_grad_bytes
         to = path[pos - 1]
-        expect = self.reserve_uplink(to, size, now)
+        expect = self.node.reserve_uplink(to, size, now)
         self.gouts[mb] = GradOut(mb=mb, path=path, legs=legs, pos=pos, key=key, sent_at=now,
                                  sent_expect_s=expect)
-        deadline = self.deadline_for(to, expect)
-        return [self.send(to, Backward(mb=mb, path=path, legs=legs, key=key, size_bytes=size)),
-                self.timer(("ackb", mb), deadline, now)]
+        deadline = self.node.deadline_for(to, expect)
+        return [self.node.send(to, Backward(mb=mb, path=path, legs=legs, key=key, size_bytes=size)),
+                self.node.timer(("ackb", mb), deadline, now)]
 
     @handles(msgs.BackAck, sender=Sender.MEMBER)
     def on_backack(self, sender: NodeId, msg: BackAck, now: float) -> list[Effect]:
@@ -366,14 +406,14 @@ class TrainingMixin(CoreState):
             return []
         if msg.final:
             del self.gouts[msg.mb]
-            return [self.cancel(("ackb", msg.mb))]
+            return [self.node.cancel(("ackb", msg.mb))]
         if g.got:
             return []
         g.got = True
         rtt = now - g.sent_at
-        self.observe_ack(sender, rtt, g.sent_expect_s)
-        return [self.cancel(("ackb", msg.mb))] + self.observe_transfer(
-            sender, self.train.activation_grad_bytes, g.sent_at, now)
+        self.node.observe_ack(sender, rtt, g.sent_expect_s)
+        return [self.node.cancel(("ackb", msg.mb))] + self.node.observe_transfer(
+            sender, self.node.train.activation_grad_bytes, g.sent_at, now)
 
     def bwd_failed(self, mb: MbId, now: float) -> list[Effect]:
         """The node we sent a gradient to is gone: ask the nearest live upstream node to redo."""
@@ -381,19 +421,19 @@ class TrainingMixin(CoreState):
         if g is None or g.redo_start != NONE:
             return []
         dead = g.path[g.pos - 1]
-        out: list[Effect] = [self.cancel(("ackb", mb))] + self.suspect(dead, now)
-        start = 1 if self.policy.backward_recovery == "restart" else g.pos - 1
+        out: list[Effect] = [self.node.cancel(("ackb", mb))] + self.node.suspect(dead, now)
+        start = 1 if self.node.policy.backward_recovery == "restart" else g.pos - 1
         return out + self._redo_walk(g, start, now)
 
     def _redo_walk(self, g: GradOut, start: int, now: float) -> list[Effect]:
         if start < 1:
             del self.gouts[g.mb]
-            return [record(RecordName.ABANDONED, node=self.me.id, mb=g.mb, reason="origin_lost")]
+            return [record(RecordName.ABANDONED, node=self.node.me.id, mb=g.mb, reason="origin_lost")]
         g.redo_start = start
         to = g.path[start - 1]
-        msg = Redo(mb=g.mb, path=g.path, legs=g.legs, start=start, until=g.pos, holder=self.me.id)
-        return [record(RecordName.REDO, node=self.me.id, mb=g.mb, start=start, until=g.pos, mode="inflight"),
-                self.send(to, msg), self.timer(("redo", g.mb), self.ack_deadline_s(to, 0), now)]
+        msg = Redo(mb=g.mb, path=g.path, legs=g.legs, start=start, until=g.pos, holder=self.node.me.id)
+        return [record(RecordName.REDO, node=self.node.me.id, mb=g.mb, start=start, until=g.pos, mode="inflight"),
+                self.node.send(to, msg), self.node.timer(("redo", g.mb), self.node.ack_deadline_s(to, 0), now)]
 
     @handles(msgs.RedoAck, sender=Sender.ANYONE)
     def on_redoack(self, sender: NodeId, msg: RedoAck, now: float) -> list[Effect]:
@@ -402,13 +442,13 @@ class TrainingMixin(CoreState):
             return []
         g.redo_start = NONE
         g.sent_at = now
-        return [self.cancel(("redo", msg.mb))]
+        return [self.node.cancel(("redo", msg.mb))]
 
     def redo_failed(self, mb: MbId, now: float) -> list[Effect]:
         g = self.gouts.get(mb)
         if g is None or g.redo_start == NONE:
             return []
-        out: list[Effect] = [self.cancel(("redo", mb))] + self.suspect(g.path[g.redo_start - 1], now)
+        out: list[Effect] = [self.node.cancel(("redo", mb))] + self.node.suspect(g.path[g.redo_start - 1], now)
         start = g.redo_start - 1
         g.redo_start = NONE
         return out + self._redo_walk(g, start, now)
@@ -416,10 +456,10 @@ class TrainingMixin(CoreState):
     @handles(msgs.Redo, sender=Sender.ANYONE)
     def on_redo(self, sender: NodeId, msg: Redo, now: float) -> list[Effect]:
         """We hold the activation for stage `start`: send it to another replica as a redo chain."""
-        if msg.mb[1] != self.iteration:
+        if msg.mb[1] != self.node.iteration:
             return []
         rec: Leg | Origin | None
-        if self.me.stage == 0:
+        if self.node.me.stage == 0:
             rec = self.origins.get(msg.mb)
         elif msg.agg:
             n = self.contributed.get(msg.mb)
@@ -434,9 +474,9 @@ class TrainingMixin(CoreState):
             # repeat then); taken, it turned the new forward into a chain to a dead gradient
             # cache, for good (faultgen seed 501926)
             return [log("info", "stale_redo", mb=msg.mb, start=msg.start, phase=rec.phase)]
-        out: list[Effect] = [self.send(sender, RedoAck(mb=msg.mb, start=msg.start))]
+        out: list[Effect] = [self.node.send(sender, RedoAck(mb=msg.mb, start=msg.start))]
         if rec.phase in ("out", "got"):
-            out.append(self.cancel(("ackf", rec.n if isinstance(rec, Leg) else rec.mb)))
+            out.append(self.node.cancel(("ackf", rec.n if isinstance(rec, Leg) else rec.mb)))
         rec.until, rec.holder, rec.agg = msg.until, msg.holder, msg.agg
         if msg.start < len(msg.path):
             rec.excl.add(msg.path[msg.start])
@@ -448,20 +488,20 @@ class TrainingMixin(CoreState):
         if o.until > 1:
             return self._resend(o, now)
         o.phase = "gradwait"
-        req = GradRequest(mb=o.mb, path=(self.me.id,), legs=(o.mb[2],))
-        return [self.send(o.holder, req), self.timer(("gget", o.mb), self.ack_deadline_s(o.holder, 0), now)]
+        req = GradRequest(mb=o.mb, path=(self.node.me.id,), legs=(o.mb[2],))
+        return [self.node.send(o.holder, req), self.node.timer(("gget", o.mb), self.node.ack_deadline_s(o.holder, 0), now)]
 
     @handles(msgs.GradRequest, sender=Sender.ANYONE)
     def on_gradrequest(self, sender: NodeId, msg: GradRequest, now: float) -> list[Effect]:
         cached = self.grad_cache.get(msg.mb)
-        if cached is None or msg.mb[1] != self.iteration:
+        if cached is None or msg.mb[1] != self.node.iteration:
             return [log("warning", "grad_request_without_cache", mb=msg.mb)]
         key, path, legs = cached
-        hpos = self.S if self.me.stage == 0 else self.me.stage
+        hpos = self.node.S if self.node.me.stage == 0 else self.node.me.stage
         full = msg.path + path[hpos:]
         full_legs = msg.legs + legs[hpos:]
         self.gouts.pop(msg.mb, None)
-        out: list[Effect] = [self.cancel(("ackb", msg.mb)), self.cancel(("redo", msg.mb))]
+        out: list[Effect] = [self.node.cancel(("ackb", msg.mb)), self.node.cancel(("redo", msg.mb))]
         return out + self._send_grad(msg.mb, full, full_legs, hpos, key, now)
 
     def chain_failed(self, ref: int | MbId, now: float) -> list[Effect]:
@@ -470,29 +510,29 @@ class TrainingMixin(CoreState):
         if rec is None or rec.phase != "gradwait":
             return []
         rec.phase = "done"
-        return [record(RecordName.CHAIN_FAILED, node=self.me.id, mb=rec.mb)]
+        return [record(RecordName.CHAIN_FAILED, node=self.node.me.id, mb=rec.mb)]
 
     def on_mb_deadline(self, mb: MbId, now: float) -> list[Effect]:
         """DH safety net: restart a lost forward; give up waiting for a lost backward."""
         o = self.origins.get(mb)
-        if o is None or o.phase == "done" or o.incomplete or mb[1] != self.iteration:
+        if o is None or o.phase == "done" or o.incomplete or mb[1] != self.node.iteration:
             return []
-        out: list[Effect] = [self.timer(("mb", mb), self._mb_deadline_s(), now)]
+        out: list[Effect] = [self.node.timer(("mb", mb), self._mb_deadline_s(), now)]
         if o.phase in ("out", "got", "passed", "parked"):
             o.restarts += 1
             if o.next:
                 o.excl.add(o.next)
             if len(o.excl) > 8:
                 o.excl.clear()
-            if o.until != NONE and not o.agg and o.holder not in self.directory:
+            if o.until != NONE and not o.agg and o.holder not in self.node.directory:
                 # an in-flight redo chain whose holder died (its cached gradient with it): ending
                 # the restart there again would fail every time (a livelock). End it at our own
                 # cached loss gradient if we have one (a second loss would count the head's
                 # gradient twice), else run the whole pipeline.
-                o.until, o.holder = (self.S, self.me.id) if mb in self.grad_cache else (NONE, "")
-            out.append(self.cancel(("ackf", mb)))
-            return out + [record(RecordName.MB_RESTART, node=self.me.id, mb=mb)] + self._resend(o, now)
+                o.until, o.holder = (self.node.S, self.node.me.id) if mb in self.grad_cache else (NONE, "")
+            out.append(self.node.cancel(("ackf", mb)))
+            return out + [record(RecordName.MB_RESTART, node=self.node.me.id, mb=mb)] + self._resend(o, now)
         if o.phase in ("loss", "backward", "gradwait", "embed_bwd"):
             o.incomplete = True
-            return out + [record(RecordName.MB_INCOMPLETE, node=self.me.id, mb=mb)] + self._dh_progress(now)
+            return out + [record(RecordName.MB_INCOMPLETE, node=self.node.me.id, mb=mb)] + self._dh_progress(now)
         return out
