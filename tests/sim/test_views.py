@@ -51,7 +51,7 @@ def test_views_are_symmetric_bounded_and_match_the_per_peer_rule() -> None:
         # the roster's start equals the rule a node applies to a peer it hears of later
         near = {p for p in core.directory.values() if (p.stage - core.me.stage) % 4 in (0, 1, 3) and p.id != nid}
         seen = set(agent.state.next_peers) | set(agent.state.prev_peers) | set(agent.state.same_peers)  # type: ignore[attr-defined]
-        assert seen == {p.id for p in near if core.in_view(p)}
+        assert seen == {p.id for p in near if core.members.in_view(p)}
         if 0 < core.me.stage < 3:
             sizes.append(len(agent.state.next_peers))  # type: ignore[attr-defined]
         elif core.me.stage == 3:  # the way back: every data holder

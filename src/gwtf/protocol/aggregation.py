@@ -190,7 +190,7 @@ class Aggregation:
     @handles(msgs.IterStart, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_iter_start(self, sender: NodeId, msg: IterStart, now: float) -> list[Effect]:
         self.node.leader = msg.leader
-        self.node.last_leader_s = now
+        self.node.members.last_leader_s = now
         if not self.node.active or self.started_iter == msg.iteration:
             return []
         self.started_iter = msg.iteration
@@ -229,7 +229,7 @@ class Aggregation:
     @handles(msgs.Collect, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_collect(self, sender: NodeId, msg: Collect, now: float) -> list[Effect]:
         self.node.leader = msg.leader
-        self.node.last_leader_s = now
+        self.node.members.last_leader_s = now
         if not self.node.active:
             return []
         if msg.iteration > self.node.iteration:

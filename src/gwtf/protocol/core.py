@@ -32,7 +32,7 @@ from gwtf.protocol.dispatch import Fence, Route, Sender, Termed, router_route, r
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.leader import Coordinator
 from gwtf.protocol.ledger import CoreState, Effect, LinkPrior, Policy, TrainParams
-from gwtf.protocol.membership import MAX_COMPUTE_S, MembershipMixin
+from gwtf.protocol.membership import MAX_COMPUTE_S, Membership
 from gwtf.protocol.messages import record
 from gwtf.protocol.router import PeerInfo, Router
 from gwtf.protocol.simple_router import GreedyRouter
@@ -67,7 +67,7 @@ def make_router(name: str, me: PeerInfo, train: TrainParams, rng: random.Random,
     return GreedyRouter(me, train.stages, train.route_bytes)
 
 
-class NodeCore(MembershipMixin):
+class NodeCore(CoreState):
     """One node's protocol brain: events in, effects out (see the module docstring)."""
 
     def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
@@ -89,6 +89,7 @@ class NodeCore(MembershipMixin):
             router = router_factory(me) if me.stage >= 0 else GreedyRouter(me, train.stages, train.route_bytes)
         CoreState.__init__(self, me, cfg, train, rng, router, policy or Policy())
         self.link_prior = link_prior
+        self.members = Membership(self)
         self.coord = Coordinator(self)
         self.agg = Aggregation(self)
         self.plane = DataPlane(self)
@@ -111,7 +112,7 @@ class NodeCore(MembershipMixin):
     def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
         if self.fixed_stage is not None:
             return self.fixed_stage
-        return int(super().choose_join_stage(utilisation))
+        return self.members.join_stage(utilisation)
 
     # ---- driver API --------------------------------------------------------------------
 
@@ -120,7 +121,7 @@ class NodeCore(MembershipMixin):
         joiner (stage -1) passes one contact. A resumed swarm's node starts at `start_version`."""
         self.version = self.iteration = self.start_version
         self.started_s = now
-        out = self.membership_start(now, known_peers)
+        out = self.members.membership_start(now, known_peers)
         out += list(self.router.on_start(now))
         if self.me.stage == 0 and self.leader == self.me.id:
             out.append(m.record(RecordName.LEADER_TERM, node=self.me.id, term=self.term))
@@ -143,7 +144,7 @@ class NodeCore(MembershipMixin):
             return []
         kind, ref = entry
         out = self.plane.training_compute_done(kind, ref, now)
-        out += self.membership_compute_done(kind, ref, now)
+        out += self.members.membership_compute_done(kind, ref, now)
         out += self.agg.aggregation_compute_done(kind, ref, now)
         return self._drain(out, now)
 
@@ -166,8 +167,8 @@ class NodeCore(MembershipMixin):
         if kind in (ComputeKind.EXPORT_CHECKPOINT, ComputeKind.STORE_CHECKPOINT):
             return out  # a data holder's copy of a checkpoint is missing; training goes on
         if kind in (ComputeKind.IMPORT_STATE, ComputeKind.LOAD_CHECKPOINT) and not self.active:
-            return self._drain(out + self.state_failed(kind, now), now)
-        return self._drain(out + self.leave(now) + self.stop("compute_failed", now), now)
+            return self._drain(out + self.members.state_failed(kind, now), now)
+        return self._drain(out + self.members.leave(now) + self.members.stop("compute_failed", now), now)
 
     def on_compute_measured(self, now: float, compute_s: float) -> list[Effect]:
         """The driver measured this node's compute seconds per microbatch of its stage (the
@@ -176,7 +177,7 @@ class NodeCore(MembershipMixin):
         by more than `COMPUTE_READVERTISE` (relative) from the one advertised, at least
         `COMPUTE_ADVERT_GAP_S` after the previous advertisement, becomes this node's
         `me.compute_s`, re-prices its own edges and is sent to the members that price it
-        (`MembershipMixin.compute_changed`); smaller or earlier moves, a node without a stage
+        (`Membership.compute_changed`); smaller or earlier moves, a node without a stage
         and a value that is not a positive finite number of seconds change nothing."""
         if not self.alive or self.me.stage < 0 or not 0.0 < compute_s <= MAX_COMPUTE_S:
             return []
@@ -184,7 +185,7 @@ class NodeCore(MembershipMixin):
         if abs(compute_s - old) <= COMPUTE_READVERTISE * old or now - self.compute_advertised_s < COMPUTE_ADVERT_GAP_S:
             return []
         self.compute_advertised_s = now
-        return self._drain(self.compute_changed(compute_s, now), now)
+        return self._drain(self.members.compute_changed(compute_s, now), now)
 
     def on_send_failed(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
         if not self.alive:
@@ -195,11 +196,11 @@ class NodeCore(MembershipMixin):
         """Graceful leave: announce it (an announced crash); in-flight work is recovered by peers."""
         if not self.alive:
             return []
-        return self._drain(self.leave(now), now)
+        return self._drain(self.members.leave(now), now)
 
     # ---- dispatch ----------------------------------------------------------------------
 
-    PARTS: ClassVar[dict[str, type]] = {"coord": Coordinator, "agg": Aggregation, "plane": DataPlane}
+    PARTS: ClassVar[dict[str, type]] = {"members": Membership, "coord": Coordinator, "agg": Aggregation, "plane": DataPlane}
     """The parts that are objects of their own (attribute name -> class): their `@handles`
     methods are dispatched to the object."""
     _routes: dict[type, Route] = {}  # per concrete class: message class -> route (dispatch.routes_of)
@@ -242,7 +243,7 @@ class NodeCore(MembershipMixin):
         if sender in self.suspects:
             self.suspects.discard(sender)
             info = self.directory.get(sender)
-            if info is not None and self.in_view(info):
+            if info is not None and self.members.in_view(info):
                 out += list(self.router.on_peer_up(info, self.link(sender), now))
         mcls = type(msg)
         try:
@@ -253,7 +254,7 @@ class NodeCore(MembershipMixin):
             return out + [record(RecordName.UNAUTHORIZED, node=self.me.id, sender=sender, type=msg.TYPE,
                                  allowed=str(rule))]
         if fence:
-            accept, said = self.fence(sender, cast(Termed, msg).term, fence is Fence.FROM_LEADER, now)
+            accept, said = self.members.fence(sender, cast(Termed, msg).term, fence is Fence.FROM_LEADER, now)
             out += said
             if not accept:
                 return out
@@ -291,14 +292,14 @@ class NodeCore(MembershipMixin):
         if kind in ("flow", "swarm"):
             return list(self.router.on_timer(key, now))
         if kind == "hb":
-            out = self.on_heartbeat_timer(now)
+            out = self.members.on_heartbeat_timer(now)
             return out + (self.coord.leader_tick(now) if self.is_leader else [])
         if kind == "probe":
-            return self.on_probe_timer(key[1], key[2], now)
+            return self.members.on_probe_timer(key[1], key[2], now)
         handlers: dict[str, Callable[[Any, float], list[Effect]]] = {
             "ackf": self.plane.on_ack_timeout, "ackb": self.plane.bwd_failed, "redo": self.plane.redo_failed, "gget": self.plane.chain_failed,
             "retry": self.plane.on_retry, "mb": self.plane.on_mb_deadline, "resend": self._resend_control,
-            "unsuspect": self.on_unsuspect_timer, "join": self.on_join_timer, "sget": self.on_state_timer,
+            "unsuspect": self.members.on_unsuspect_timer, "join": self.members.on_join_timer, "sget": self.members.on_state_timer,
         }
         handler = handlers.get(kind)
         return handler(key[1], now) if handler is not None else [log("warning", "unknown_timer", key=key)]
@@ -316,14 +317,14 @@ class NodeCore(MembershipMixin):
             ref = msg.legs[-1] if self.me.stage != 0 else msg.mb
             return self.plane.chain_failed(ref, now)
         if isinstance(msg, m.LeaderVote):
-            self.vote_failed_to(to)
+            self.members.vote_failed_to(to)
             return []
         if isinstance(msg, RELIABLE):
             return self._schedule_resend(to, msg, now)
         return []
 
     def _known(self, peer: NodeId) -> bool:
-        return peer in self.directory or peer == self.leader or peer in self.pending_joiners
+        return peer in self.directory or peer == self.leader or peer in self.members.pending_joiners
 
     def _schedule_resend(self, to: NodeId, msg: Message, now: float) -> list[Effect]:
         """Control messages to a live member are retried until it is declared dead."""

@@ -111,7 +111,7 @@ class Coordinator:
         self.lead = LeaderState(term=self.node.term, t=self.node.iteration, phase=Phase.RECOVER if recovering else Phase.RUN,
                                 round=max(last, seen) + (ROUND_GAP if recovering else 0), stalled_log_s=now,
                                 started_s=now)
-        self.node.last_hb = {pid: now for pid in self.node.directory if pid != self.node.me.id}
+        self.node.members.last_hb = {pid: now for pid in self.node.directory if pid != self.node.me.id}
         if recovering:
             return self._broadcast(Collect(term=self.node.term, iteration=self.lead.t, leader=self.node.me.id), include_self=True)
         return self.start_iteration(self.lead.t, now)
@@ -153,7 +153,7 @@ class Coordinator:
             # so hold this iteration's start until they are Ready at it (bounded) instead of
             # asking them to fetch again forever
             size = max(self.node.train.stage_state_bytes)
-            wait_s = max(self.node.join_deadline_s(), STATE_DEADLINE_FACTOR * max(
+            wait_s = max(self.node.members.join_deadline_s(), STATE_DEADLINE_FACTOR * max(
                 self.node.ack_deadline_s(j, size) for j in held))
             self.lead.phase = Phase.ADMIT
             self.lead.admitting = set(held)
@@ -182,11 +182,11 @@ class Coordinator:
             horizon = now - self.node.cfg.evict_after_s
             for j in sorted(self.lead.waiting):
                 info, version = self.lead.ready.get(j, (None, NONE))
-                heard = self.node.last_hb.get(j)
+                heard = self.node.members.last_hb.get(j)
                 if info is not None and heard is not None and heard >= horizon and self.lead.phase == Phase.PAUSED \
                         and j not in self.node.directory:
                     self.lead.waiting.discard(j)
-                    self.node.pending_joiners.discard(j)
+                    self.node.members.pending_joiners.discard(j)
                     out += self._activate(j, info, now, version)
             return out
         return []
@@ -195,7 +195,7 @@ class Coordinator:
         """A stage was lost while joiners were pending at stages that still have replicas: send
         one per lost stage that no pending joiner takes over to join again (it is then assigned
         the lost stage, the bottleneck), instead of leaving the swarm paused with them waiting."""
-        pending = {j: st for j, (st, _) in self.node.pending_stage.items()
+        pending = {j: st for j, (st, _) in self.node.members.pending_stage.items()
                    if j not in self.node.directory}
         spare = sorted(j for j, st in pending.items() if st not in empty)
         out: list[Effect] = []
@@ -387,8 +387,8 @@ class Coordinator:
         if not self.node.is_leader or self.lead.reassigned.get(sender, msg.stage) != msg.stage:
             return []
         self.lead.reassigned.pop(sender, None)
-        self.node.pending_joiners.discard(sender)
-        self.node.last_hb[sender] = now
+        self.node.members.pending_joiners.discard(sender)
+        self.node.members.last_hb[sender] = now
         if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):
             return self._activate(sender, from_tuple(msg.peer), now, msg.version)
         if self.lead.phase == Phase.ADMIT and msg.version == self.lead.t:
@@ -396,7 +396,7 @@ class Coordinator:
             self.lead.refetches.pop(sender, None)
             out = self._activate(sender, from_tuple(msg.peer), now)
             return out + (self._begin(self.lead.t, now) if not self.lead.admitting else [])
-        self.node.pending_joiners.add(sender)
+        self.node.members.pending_joiners.add(sender)
         self.lead.waiting.add(sender)
         self.lead.ready[sender] = (from_tuple(msg.peer), msg.version)
         return []
@@ -404,22 +404,22 @@ class Coordinator:
     def _activate(self, pid: NodeId, info: PeerInfo, now: float, version: int = NONE) -> list[Effect]:
         # a member is counted by the directory now: a pending assignment left behind would count
         # its capacity again once it dies (and hide a lost stage from the next joiner)
-        self.node.pending_stage.pop(pid, None)
+        self.node.members.pending_stage.pop(pid, None)
         if self.lead.phase == Phase.PAUSED and version != NONE and 0 < info.stage < self.node.S \
                 and not self._stage_members()[info.stage]:
             # it restores a lost stage: the swarm can roll back no later than the state it holds
             # (the stage's newest checkpoint may never have been written: its last replica died
             # after the step, before the checkpoint, e.g. while exporting its state to a joiner)
             self.lead.restored[info.stage] = min(self.lead.restored.get(info.stage, version), version)
-        self.node._dir_set(info)
+        self.node.members._dir_set(info)
         out: list[Effect] = [record(RecordName.JOIN, node=pid, stage=info.stage, iteration=self.lead.t)]
         out += self._broadcast(MemberUp(term=self.node.term, peer=to_tuple(info)), include_self=False)
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
-        listed = self.node.welcomed_with.pop(pid, frozenset(self.node.directory))
+        listed = self.node.members.welcomed_with.pop(pid, frozenset(self.node.directory))
         out += [self.node.send(pid, MemberUp(term=self.node.term, peer=to_tuple(self.node.directory[q])))
                 for q in sorted(self.node.directory) if q not in listed and q not in (pid, self.node.me.id)]
-        out += self.node._peer_up(info, now)
+        out += self.node.members._peer_up(info, now)
         if self.lead.phase == Phase.PAUSED and all(self._stage_members()):
             out += self._resume(now)
         return out

@@ -31,6 +31,7 @@ from gwtf.protocol.router import LinkEstimate, PeerInfo, Router
 if TYPE_CHECKING:  # annotation only: the leader part imports this module
     from gwtf.protocol.aggregation import Aggregation
     from gwtf.protocol.leader import Coordinator
+    from gwtf.protocol.membership import Membership
     from gwtf.protocol.training import DataPlane
 
 DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
@@ -145,8 +146,7 @@ class CoreState:
     coord: Coordinator  # the leader part (NodeCore's constructor)
     agg: Aggregation  # the replica side of the iteration barrier (NodeCore's constructor)
     plane: DataPlane  # the microbatch data plane and its ledger (NodeCore's constructor)
-    pending_stage: dict[NodeId, tuple[int, int]]  # leader: joiner -> (assigned stage, capacity) (membership)
-    welcomed_with: dict[NodeId, frozenset[NodeId]]  # leader: members a joiner's Welcome listed (membership)
+    members: Membership  # directory upkeep, failure detection, election, join (NodeCore's constructor)
 
     def __init__(self, me: PeerInfo, cfg: ProtocolConfig, train: TrainParams, rng: random.Random,
                  router: Router, policy: Policy) -> None:
@@ -158,7 +158,6 @@ class CoreState:
         self.policy = policy
         self.S = train.stages
         self.alive = True
-        self.pending_joiners: set[NodeId] = set()  # leader: joiners admitted, not yet members (membership)
         self.started_s = 0.0  # `now` at on_start (the runtime's clock does not start at 0)
         self.active = me.stage >= 0  # a joiner is inactive until the leader activates it
         self.iteration = 0  # current iteration (from the leader)
@@ -167,9 +166,6 @@ class CoreState:
         self.dhs_cache: frozenset[NodeId] | None = None  # MembershipMixin.data_holders
         self.links: dict[NodeId, LinkEstimate] = {}
         self.suspects: set[NodeId] = set()
-        self.view_sizes: dict[int, int] = {}  # stage sizes when this node started or joined (views)
-        self.live_sizes: dict[int, int] = {}  # ... and now, in its directory (kept with views only)
-        self._view_seen: dict[int, int | None] = {}  # most inclusive view threshold used, per stage
         self.leader: NodeId = ""  # the leader of `term`, "" while unknown
         self.term = 0  # leadership term (epoch): the initial leader leads term 0 unelected
         self._job_seq = 0
@@ -184,31 +180,14 @@ class CoreState:
     # Declared here, implemented by one part each (named in the docstring); NodeCore's MRO puts
     # CoreState last, so these bodies run only on a class that lacks the part (a bug).
 
-    def fence(self, sender: NodeId, term: int, from_leader: bool, now: float) -> tuple[bool, list[Effect]]:
-        """Membership: accept or refuse a control message of `term` (and adopt a newer term)."""
-        raise NotImplementedError
+    # -- helpers -----------------------------------------------------------------------------
 
     def data_holders(self) -> frozenset[NodeId]:
-        """Membership: the live data holders in the directory."""
-        raise NotImplementedError
-
-    def join_deadline_s(self) -> float:
-        """Membership: how long a join may take before the joiner tries again."""
-        raise NotImplementedError
-
-    def _dir_set(self, p: PeerInfo) -> None:
-        """Membership: add or update a directory entry."""
-        raise NotImplementedError
-
-    def _peer_up(self, p: PeerInfo, now: float) -> list[Effect]:
-        """Membership: a peer became a member (router and link bookkeeping)."""
-        raise NotImplementedError
-
-    def send_join(self, now: float) -> list[Effect]:
-        """Membership: ask the leader (or a contact) to join."""
-        raise NotImplementedError
-
-    # -- helpers -----------------------------------------------------------------------------
+        """The data holders in the directory (cached: every change of the directory clears it)."""
+        dhs = self.dhs_cache
+        if dhs is None:
+            dhs = self.dhs_cache = frozenset(pid for pid, p in self.directory.items() if p.stage == 0)
+        return dhs
 
     def job(self, kind: ComputeKind, ref: Any) -> int:
         self._job_seq += 1

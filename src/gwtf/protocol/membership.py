@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gwtf.protocol import messages as msgs
 from gwtf.protocol.base import NodeId, log
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.ledger import CoreState, Effect, Leg, Origin
+from gwtf.protocol.ledger import Effect, Leg, Origin
 from gwtf.protocol.messages import (
     NONE,
     Compute,
@@ -55,6 +55,9 @@ from gwtf.protocol.messages import (
 from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.view import Roster, mark, min_id, near_stages, pair_score, stage_sizes, stage_threshold
 
+if TYPE_CHECKING:
+    from gwtf.protocol.core import NodeCore
+
 UNKNOWN_STAGE_LOAD = 1e9  # utilisation reported for a stage with no live replica
 JOIN_TRIES = 8  # JoinRequests a joiner sends (each after a deadline) before it gives up
 STATE_TRIES = 6  # state requests to replicas before a joiner restores from the checkpoint
@@ -70,94 +73,110 @@ def from_tuple(t: PeerTuple) -> PeerInfo:
     return PeerInfo(id=t[0], stage=t[1], region=t[2], compute_s=t[3], capacity=t[4], demand=t[5])
 
 
-class MembershipMixin(CoreState):
-    """Directory, heartbeats, eviction, leader failover, join, leave, state transfer."""
+class Membership:
+    """Directory upkeep, heartbeats, eviction, leader failover, join, leave, state transfer (see
+    the module docstring), one per node. It owns failure detection's, the election's and the
+    join's state; it is the only writer of the node's shared facts (`directory`, `leader`,
+    `term`, `suspects`), which every part reads on `node`."""
 
-    def membership_start(self, now: float, known: list[PeerInfo] | Roster) -> list[Effect]:
-        self.last_leader_s = now
-        members: Sequence[PeerInfo] = known.members if isinstance(known, Roster) else known
-        self.last_hb: dict[NodeId, float] = {}
-        self.pending_joiners: set[NodeId] = set()
+    def __init__(self, node: NodeCore) -> None:
+        self.node = node
+        me = node.me
+        self.last_leader_s = 0.0  # when the leader was last heard from
+        self.last_hb: dict[NodeId, float] = {}  # leader: member -> when its heartbeat came
+        self.pending_joiners: set[NodeId] = set()  # leader: joiners admitted, not yet members
         self.welcomed_with: dict[NodeId, frozenset[NodeId]] = {}  # leader: members a joiner's Welcome listed
+        self.pending_stage: dict[NodeId, tuple[int, int]] = {}  # leader: joiner -> (assigned stage, capacity)
         self.probing: set[tuple[str, NodeId]] = set()
         self.votes: dict[int, dict[NodeId, float]] = {}  # candidate: term -> voter -> when last heard
         self.vote_failed: set[NodeId] = set()
         self.voted_for: NodeId = ""  # the candidate this node voted for in `vote_term`
         self.vote_term = 0
-        self.pending_stage: dict[NodeId, tuple[int, int]] = {}  # leader: joiner -> (assigned stage, capacity)
         self.join_tries = 0  # joiner: JoinRequests sent without reaching a Welcome
-        self.contact: NodeId = members[0].id if self.me.stage < 0 and members else ""
+        self.contact: NodeId = ""  # joiner: the member it asks to join
+        self.assigned_stage = -1  # joiner: the stage its Welcome assigned
+        self.restore_version = 0  # joiner: the checkpoint its Welcome (or last Refetch) named
         self.state_source: NodeId = ""  # joiner: the replica a StateRequest went to
         self.state_tries = 0
         self.state_failed_from: set[NodeId] = set()  # joiner: sources that refused or failed it
-        self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / max(self.me.compute_s, 1e-9)
-        out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
-        if self.me.stage < 0:
-            out.append(record(RecordName.JOIN_START, node=self.me.id))
+        self.speed_flops_per_s = node.train.stage_flops[max(me.stage, 1)] / max(me.compute_s, 1e-9)
+        self.view_sizes: dict[int, int] = {}  # stage sizes when this node started or joined (views)
+        self.live_sizes: dict[int, int] = {}  # ... and now, in its directory (kept with views only)
+        self._view_seen: dict[int, int | None] = {}  # most inclusive view threshold used, per stage
+
+    def membership_start(self, now: float, known: list[PeerInfo] | Roster) -> list[Effect]:
+        self.last_leader_s = now
+        members: Sequence[PeerInfo] = known.members if isinstance(known, Roster) else known
+        self.contact = members[0].id if self.node.me.stage < 0 and members else ""
+        me = self.node.me  # (a driver may have set it since the constructor)
+        self.speed_flops_per_s = self.node.train.stage_flops[max(me.stage, 1)] / max(me.compute_s, 1e-9)
+        out: list[Effect] = [self.node.timer(("hb",), self.node.cfg.heartbeat_period_s, now)]
+        if self.node.me.stage < 0:
+            out.append(record(RecordName.JOIN_START, node=self.node.me.id))
             return out + self.send_join(now)
-        if self.cfg.view_size > 0:
+        if self.node.cfg.view_size > 0:
             # bounded views (protocol.view): O(what this node keeps) from the shared roster
             roster = known if isinstance(known, Roster) else Roster(members)
             self.view_sizes = dict(roster.sizes)
-            self.directory = roster.directory(self.me.stage, self.S)
-            self.directory[self.me.id] = self.me
-            self.dhs_cache = roster.data_holders  # every node keeps exactly the roster's data holders
-            kept = range(self.S) if self.me.stage == 0 else self._near_stages() | {0}
+            self.node.directory = roster.directory(self.node.me.stage, self.node.S)
+            self.node.directory[self.node.me.id] = self.node.me
+            self.node.dhs_cache = roster.data_holders  # every node keeps exactly the roster's data holders
+            kept = range(self.node.S) if self.node.me.stage == 0 else self._near_stages() | {0}
             self.live_sizes = {t: roster.sizes[t] for t in kept if t in roster.sizes}
             self._view_seen = {t: self._view_threshold(t) for t in self._near_stages()}
-            for p in roster.view(self.me, self.S, self.cfg.view_size):
-                out += list(self.router.on_peer_up(p, self.link(p.id), now))
+            for p in roster.view(self.node.me, self.node.S, self.node.cfg.view_size):
+                out += list(self.node.router.on_peer_up(p, self.node.link(p.id), now))
         else:
-            self.directory = {p.id: p for p in members if self.keeps(p)}
-            self.directory[self.me.id] = self.me
-            self.dhs_cache = None
+            self.node.directory = {p.id: p for p in members if self.keeps(p)}
+            self.node.directory[self.node.me.id] = self.node.me
+            self.node.dhs_cache = None
             for p in members:
                 out += self._peer_up(p, now)
-        self.leader = self._choose_leader()
+        self.node.leader = self._choose_leader()
         return out
 
     def keeps(self, p: PeerInfo) -> bool:
         """Whom this node keeps in its directory: a data holder (a leader candidate) keeps
         everyone; a relay keeps the data holders and its previous, same and next stage."""
-        if self.me.stage == 0 or p.stage == 0 or p.id == self.me.id:
+        if self.node.me.stage == 0 or p.stage == 0 or p.id == self.node.me.id:
             return True
-        return (p.stage - self.me.stage) % self.S in (0, 1, self.S - 1)
+        return (p.stage - self.node.me.stage) % self.node.S in (0, 1, self.node.S - 1)
 
     def _peer_up(self, p: PeerInfo, now: float) -> list[Effect]:
         """Tell the router about a neighbour: previous, same or next stage (cyclic) only, and
         in this node's view (`protocol.view_size`)."""
-        if p.id == self.me.id:
+        if p.id == self.node.me.id:
             return []
-        gap = (p.stage - self.me.stage) % self.S
-        if gap not in (0, 1, self.S - 1) or not self.in_view(p):
+        gap = (p.stage - self.node.me.stage) % self.node.S
+        if gap not in (0, 1, self.node.S - 1) or not self.in_view(p):
             return []
-        return list(self.router.on_peer_up(p, self.link(p.id), now))
+        return list(self.node.router.on_peer_up(p, self.node.link(p.id), now))
 
     def in_view(self, p: PeerInfo) -> bool:
         """Does the router see `p`? Always without `view_size`; else a symmetric hash of the two ids
         against the stage pair's threshold (`_view_threshold`, protocol.view)."""
-        if self.cfg.view_size <= 0 or p.id == self.me.id:
+        if self.node.cfg.view_size <= 0 or p.id == self.node.me.id:
             return True
         thr = self._view_threshold(p.stage)
-        return thr is None or pair_score(mark(self.me.id), mark(p.id)) < thr
+        return thr is None or pair_score(mark(self.node.me.id), mark(p.id)) < thr
 
     def _near_stages(self) -> set[int]:
-        return near_stages(self.me.stage, self.S)
+        return near_stages(self.node.me.stage, self.node.S)
 
     def _view_threshold(self, stage: int) -> int | None:
         """The view threshold between my stage and `stage`, from each stage's size when I started
         or joined, or its live size in my directory when that is smaller: a stage that lost most
         of its nodes is seen by more of its neighbours (whole once it is no larger than K)."""
         frozen, live = self.view_sizes, self.live_sizes
-        sizes = {t: min(frozen.get(t, 0), live.get(t, 0)) for t in (self.me.stage, stage)}
-        return stage_threshold(self.cfg.view_size, sizes, self.me.stage, stage, self.S)
+        sizes = {t: min(frozen.get(t, 0), live.get(t, 0)) for t in (self.node.me.stage, stage)}
+        return stage_threshold(self.node.cfg.view_size, sizes, self.node.me.stage, stage, self.node.S)
 
     def _dir_set(self, p: PeerInfo) -> None:
         """Put `p` in the directory, keeping the data-holder cache and live stage sizes right."""
-        old = self.directory.get(p.id)
-        self.directory[p.id] = p
-        self.dhs_cache = None
-        if self.cfg.view_size > 0:
+        old = self.node.directory.get(p.id)
+        self.node.directory[p.id] = p
+        self.node.dhs_cache = None
+        if self.node.cfg.view_size > 0:
             live = self.live_sizes
             if old is not None:
                 live[old.stage] = live.get(old.stage, 0) - 1
@@ -165,9 +184,9 @@ class MembershipMixin(CoreState):
 
     def _dir_drop(self, pid: NodeId) -> PeerInfo | None:
         """Take `pid` out of the directory (the counterpart of `_dir_set`)."""
-        info = self.directory.pop(pid, None)
-        self.dhs_cache = None
-        if info is not None and self.cfg.view_size > 0:
+        info = self.node.directory.pop(pid, None)
+        self.node.dhs_cache = None
+        if info is not None and self.node.cfg.view_size > 0:
             self.live_sizes[info.stage] = self.live_sizes.get(info.stage, 0) - 1
         return info
 
@@ -184,34 +203,27 @@ class MembershipMixin(CoreState):
             if new is not None and new < seen * 1.25:
                 continue
             self._view_seen[t] = new
-            a = mark(self.me.id)
-            for pid in sorted(self.directory):
-                p = self.directory[pid]
-                if p.stage == t and pid != self.me.id and pid not in self.suspects:
+            a = mark(self.node.me.id)
+            for pid in sorted(self.node.directory):
+                p = self.node.directory[pid]
+                if p.stage == t and pid != self.node.me.id and pid not in self.node.suspects:
                     score = pair_score(a, mark(pid))
                     if score >= seen and (new is None or score < new):
                         out += self._peer_up(p, now)
         return out
 
-    def data_holders(self) -> frozenset[NodeId]:
-        """The data holders in the directory (cached: every change of the directory clears it)."""
-        dhs = self.dhs_cache
-        if dhs is None:
-            dhs = self.dhs_cache = frozenset(pid for pid, p in self.directory.items() if p.stage == 0)
-        return dhs
-
     def _choose_leader(self) -> NodeId:
-        dhs = self.data_holders()
+        dhs = self.node.data_holders()
         return min_id(dhs) if dhs else ""
 
     # ---- heartbeats --------------------------------------------------------------------
 
     def on_heartbeat_timer(self, now: float) -> list[Effect]:
-        out: list[Effect] = [self.timer(("hb",), self.cfg.heartbeat_period_s, now)]
-        if self.is_leader:
-            horizon = now - self.cfg.evict_after_s
+        out: list[Effect] = [self.node.timer(("hb",), self.node.cfg.heartbeat_period_s, now)]
+        if self.node.is_leader:
+            horizon = now - self.node.cfg.evict_after_s
             for pid in sorted(p for p, t in self.last_hb.items() if t < horizon):
-                if pid in self.directory:
+                if pid in self.node.directory:
                     out += self.evict(pid, False, now)
                 else:
                     self.last_hb.pop(pid, None)
@@ -219,19 +231,19 @@ class MembershipMixin(CoreState):
                     self.pending_stage.pop(pid, None)
                     self._forget_waiting(pid)  # a silent joiner is gone
             return out
-        if not self.active:
+        if not self.node.active:
             return out + self._joiner_tick(now)
         silent_s = now - self.last_leader_s
-        if silent_s > self.cfg.partition_timeout_s:
+        if silent_s > self.node.cfg.partition_timeout_s:
             return out + self.stop("partitioned", now)
-        if not self.leader:
+        if not self.node.leader:
             return out  # deposed, or told of a newer term without its leader: wait for it to speak
-        if silent_s > self.cfg.evict_after_s and self.leader in self.directory:
+        if silent_s > self.node.cfg.evict_after_s and self.node.leader in self.node.directory:
             out += self._vote(now)
-        elif silent_s > self.cfg.suspect_after_s:
-            out.append(log("info", "leader_suspected", leader=self.leader))
-        if self.leader != self.me.id:
-            out.append(self.send(self.leader, Heartbeat(term=self.term, version=self.version)))
+        elif silent_s > self.node.cfg.suspect_after_s:
+            out.append(log("info", "leader_suspected", leader=self.node.leader))
+        if self.node.leader != self.node.me.id:
+            out.append(self.node.send(self.node.leader, Heartbeat(term=self.node.term, version=self.node.version)))
         return out
 
     def _vote(self, now: float) -> list[Effect]:
@@ -240,51 +252,51 @@ class MembershipMixin(CoreState):
         candidate takes a new term). The candidate leads only with a strict majority of the
         members other than the old leader, so a node cut off from a live leader by one bad link
         cannot start a second leader, and no two nodes lead the same term."""
-        candidates = sorted(p for p, i in self.directory.items()
-                            if i.stage == 0 and p != self.leader and p not in self.vote_failed)
+        candidates = sorted(p for p, i in self.node.directory.items()
+                            if i.stage == 0 and p != self.node.leader and p not in self.vote_failed)
         if not candidates:
             return []
         out: list[Effect] = []
-        if self.voted_for != candidates[0] or self.vote_term <= self.term:
-            self.vote_term = max(self.vote_term, self.term) + 1
+        if self.voted_for != candidates[0] or self.vote_term <= self.node.term:
+            self.vote_term = max(self.vote_term, self.node.term) + 1
             self.voted_for = candidates[0]
-            out.append(record(RecordName.LEADER_LOST, node=self.me.id, leader=self.leader, vote=candidates[0],
+            out.append(record(RecordName.LEADER_LOST, node=self.node.me.id, leader=self.node.leader, vote=candidates[0],
                               term=self.vote_term))
-        return out + [self.send(candidates[0], LeaderVote(term=self.vote_term, old=self.leader))]
+        return out + [self.node.send(candidates[0], LeaderVote(term=self.vote_term, old=self.node.leader))]
 
     @handles(msgs.LeaderVote, sender=Sender.MEMBER)
     def on_leader_vote(self, sender: NodeId, msg: LeaderVote, now: float) -> list[Effect]:
-        if sender not in self.directory:  # a pending joiner or a stranger is no voter
+        if sender not in self.node.directory:  # a pending joiner or a stranger is no voter
             return [log("info", "vote_refused", voter=sender, reason="not a member")]
-        if self.is_leader or msg.term <= self.term or msg.old != self.leader or msg.old not in self.directory:
+        if self.node.is_leader or msg.term <= self.node.term or msg.old != self.node.leader or msg.old not in self.node.directory:
             return []
-        if self.vote_term > msg.term or (self.vote_term == msg.term and self.voted_for != self.me.id):
+        if self.vote_term > msg.term or (self.vote_term == msg.term and self.voted_for != self.node.me.id):
             return []  # this node voted for another candidate in that term (or a later one)
         ballots = self.votes.setdefault(msg.term, {})
         ballots[sender] = now
         # a ballot counts while its voter keeps resending it (every heartbeat while the leader is
         # silent to it): a voter that heard from the leader again stops renewing its vote
-        horizon = now - self.cfg.evict_after_s
-        live = sum(1 for p, t in ballots.items() if t >= horizon and p in self.directory and p != msg.old)
-        if 2 * live <= len(self.directory) - 1:
+        horizon = now - self.node.cfg.evict_after_s
+        live = sum(1 for p, t in ballots.items() if t >= horizon and p in self.node.directory and p != msg.old)
+        if 2 * live <= len(self.node.directory) - 1:
             return []
-        old = self.leader
-        self._adopt_term(msg.term, self.me.id, now)
-        self.vote_term, self.voted_for = msg.term, self.me.id
-        out: list[Effect] = [record(RecordName.LEADER_CHANGE, node=self.me.id, leader=self.me.id, votes=live, term=msg.term),
-                             record(RecordName.LEADER_TERM, node=self.me.id, term=msg.term)]
-        out += self.coord.become_leader(now)
+        old = self.node.leader
+        self._adopt_term(msg.term, self.node.me.id, now)
+        self.vote_term, self.voted_for = msg.term, self.node.me.id
+        out: list[Effect] = [record(RecordName.LEADER_CHANGE, node=self.node.me.id, leader=self.node.me.id, votes=live, term=msg.term),
+                             record(RecordName.LEADER_TERM, node=self.node.me.id, term=msg.term)]
+        out += self.node.coord.become_leader(now)
         return out + self.evict(old, False, now)
 
     def _adopt_term(self, term: int, leader: NodeId, now: float) -> None:
         """A newer term (or the leader of ours) is known: follow it; a leader of an older term
         steps down."""
-        self.term = term
-        self.leader = leader
+        self.node.term = term
+        self.node.leader = leader
         self.last_leader_s = now
         self.votes = {t: v for t, v in self.votes.items() if t > term}
-        if self.is_leader and leader != self.me.id:
-            self.is_leader = False
+        if self.node.is_leader and leader != self.node.me.id:
+            self.node.is_leader = False
 
     def fence(self, sender: NodeId, term: int, from_leader: bool, now: float) -> tuple[bool, list[Effect]]:
         """The term check every control message passes before its handler: (accept, effects).
@@ -294,39 +306,39 @@ class MembershipMixin(CoreState):
         adopted with the sender as its leader (only a node elected for a term sends in it); in
         our term only the term's leader is obeyed. To a leader (Report, Have, Heartbeat): an
         older term is refused and answered; a newer one deposes this node."""
-        if sender == self.me.id:
+        if sender == self.node.me.id:
             return True, []
-        if term > self.term and self.active and sender not in self.directory:
+        if term > self.node.term and self.node.active and sender not in self.node.directory:
             # only a member's word raises the term: a stranger (or an evicted node) cannot depose
-            return False, [record(RecordName.UNAUTHORIZED, node=self.me.id, sender=sender, type="term", allowed="a member")]
-        if term < self.term:
-            return False, [log("info", "stale_term_refused", sender=sender, term=term, current=self.term),
-                           self.send(sender, TermNotice(term=self.term, leader=self.leader))]
+            return False, [record(RecordName.UNAUTHORIZED, node=self.node.me.id, sender=sender, type="term", allowed="a member")]
+        if term < self.node.term:
+            return False, [log("info", "stale_term_refused", sender=sender, term=term, current=self.node.term),
+                           self.node.send(sender, TermNotice(term=self.node.term, leader=self.node.leader))]
         if from_leader:
-            if term > self.term or not self.leader:
+            if term > self.node.term or not self.node.leader:
                 return True, self._follow(term, sender, now)
-            if sender != self.leader:
-                return False, [log("warning", "control_refused", sender=sender, term=term, leader=self.leader)]
+            if sender != self.node.leader:
+                return False, [log("warning", "control_refused", sender=sender, term=term, leader=self.node.leader)]
             self.last_leader_s = now
             return True, []
-        if term > self.term:
+        if term > self.node.term:
             return True, self._follow(term, "", now)
         return True, []
 
     def _follow(self, term: int, leader: NodeId, now: float) -> list[Effect]:
-        was_leader = self.is_leader
+        was_leader = self.node.is_leader
         self._adopt_term(term, leader, now)
-        return [record(RecordName.LEADER_STEPDOWN, node=self.me.id, term=term, leader=leader)] if was_leader else []
+        return [record(RecordName.LEADER_STEPDOWN, node=self.node.me.id, term=term, leader=leader)] if was_leader else []
 
     @handles(msgs.TermNotice, sender=Sender.MEMBER)
     def on_term_notice(self, sender: NodeId, msg: TermNotice, now: float) -> list[Effect]:
-        if msg.term > self.term or (msg.term == self.term and not self.leader and msg.leader):
+        if msg.term > self.node.term or (msg.term == self.node.term and not self.node.leader and msg.leader):
             return self._follow(msg.term, msg.leader, now)
         return []
 
     def _forget_waiting(self, pid: NodeId, reassigned: bool = False) -> None:
         """The leader's record of a joiner waiting (or sent to join again) is void."""
-        lead = self.coord.lead
+        lead = self.node.coord.lead
         if reassigned:
             lead.reassigned.pop(pid, None)
         else:
@@ -337,17 +349,17 @@ class MembershipMixin(CoreState):
 
     @handles(msgs.Heartbeat, sender=Sender.ANYONE, fence=Fence.TO_LEADER)
     def on_heartbeat(self, sender: NodeId, msg: Heartbeat, now: float) -> list[Effect]:
-        if not self.is_leader:
+        if not self.node.is_leader:
             # the sender takes us for its leader: tell it whom we follow
-            return [self.send(sender, TermNotice(term=self.term, leader=self.leader))] if self.leader else []
-        if sender not in self.directory and sender not in self.pending_joiners:
-            return [self.send(sender, Evicted(term=self.term))]  # a zombie the leader evicted: stop it
+            return [self.node.send(sender, TermNotice(term=self.node.term, leader=self.node.leader))] if self.node.leader else []
+        if sender not in self.node.directory and sender not in self.pending_joiners:
+            return [self.node.send(sender, Evicted(term=self.node.term))]  # a zombie the leader evicted: stop it
         self.last_hb[sender] = now
-        return [self.send(sender, HeartbeatAck(term=self.term, leader=self.me.id, iteration=self.iteration))]
+        return [self.node.send(sender, HeartbeatAck(term=self.node.term, leader=self.node.me.id, iteration=self.node.iteration))]
 
     @handles(msgs.HeartbeatAck, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_heartbeat_ack(self, sender: NodeId, msg: HeartbeatAck, now: float) -> list[Effect]:
-        if sender == self.leader:
+        if sender == self.node.leader:
             self.last_leader_s = now
         return []
 
@@ -360,18 +372,18 @@ class MembershipMixin(CoreState):
         edge costs and annealing) and the data holders (the leader's plans, a new leader's, and
         the directory a joiner is welcomed with). Not a broadcast: a relay's directory is
         exactly these; a data holder skips the relays of the stages not next to it."""
-        old = self.me.compute_s
-        self.me = replace(self.me, compute_s=compute_s)
-        if self.me.id in self.directory:
-            self.directory[self.me.id] = self.me
-        self.speed_flops_per_s = self.train.stage_flops[max(self.me.stage, 1)] / compute_s
-        out: list[Effect] = [record(RecordName.COMPUTE_ADVERTISED, node=self.me.id, stage=self.me.stage,
+        old = self.node.me.compute_s
+        self.node.me = replace(self.node.me, compute_s=compute_s)
+        if self.node.me.id in self.node.directory:
+            self.node.directory[self.node.me.id] = self.node.me
+        self.speed_flops_per_s = self.node.train.stage_flops[max(self.node.me.stage, 1)] / compute_s
+        out: list[Effect] = [record(RecordName.COMPUTE_ADVERTISED, node=self.node.me.id, stage=self.node.me.stage,
                                     compute_s=compute_s, previous_s=old)]
-        out += list(self.router.on_compute_update(self.me.id, compute_s, now))
+        out += list(self.node.router.on_compute_update(self.node.me.id, compute_s, now))
         msg = ComputeUpdate(compute_s=compute_s)
-        near = ((self.me.stage - 1) % self.S, self.me.stage, (self.me.stage + 1) % self.S, 0)
-        return out + [self.send(pid, msg) for pid in sorted(self.directory)
-                      if pid != self.me.id and self.directory[pid].stage in near]
+        near = ((self.node.me.stage - 1) % self.node.S, self.node.me.stage, (self.node.me.stage + 1) % self.node.S, 0)
+        return out + [self.node.send(pid, msg) for pid in sorted(self.node.directory)
+                      if pid != self.node.me.id and self.node.directory[pid].stage in near]
 
     @handles(msgs.ComputeUpdate, sender=Sender.MEMBER)
     def on_compute_update(self, sender: NodeId, msg: ComputeUpdate, now: float) -> list[Effect]:
@@ -379,14 +391,14 @@ class MembershipMixin(CoreState):
         as a leader, is current) and my router re-prices its edges to the sender (a no-op for a
         peer it does not route to). A value that is not a positive finite number of seconds
         (at most `MAX_COMPUTE_S`) is refused."""
-        info = self.directory.get(sender)
-        if info is None or sender == self.me.id or info.compute_s == msg.compute_s:
+        info = self.node.directory.get(sender)
+        if info is None or sender == self.node.me.id or info.compute_s == msg.compute_s:
             return []
         if not 0.0 < msg.compute_s <= MAX_COMPUTE_S:
-            return [record(RecordName.MESSAGE_REFUSED, node=self.me.id, sender=sender, type=msg.TYPE,
+            return [record(RecordName.MESSAGE_REFUSED, node=self.node.me.id, sender=sender, type=msg.TYPE,
                            reason=f"compute_s {msg.compute_s!r} not in (0, {MAX_COMPUTE_S:g}]")]
         self._dir_set(replace(info, compute_s=msg.compute_s))
-        return list(self.router.on_compute_update(sender, msg.compute_s, now))
+        return list(self.node.router.on_compute_update(sender, msg.compute_s, now))
 
     # ---- failures ----------------------------------------------------------------------
 
@@ -395,60 +407,60 @@ class MembershipMixin(CoreState):
         of them may be fetching its state from `pid`)."""
         self.last_hb.pop(pid, None)
         self.pending_stage.pop(pid, None)
-        out: list[Effect] = [record(RecordName.EVICT, node=pid, by=self.me.id, graceful=graceful)]
-        msg = MemberDown(term=self.term, node=pid, graceful=graceful)
-        out += [self.send(q, msg) for q in sorted(self.directory) if q not in (pid, self.me.id)]
-        out += [self.send(q, msg) for q in sorted(self.pending_joiners) if q != pid and q not in self.directory]
+        out: list[Effect] = [record(RecordName.EVICT, node=pid, by=self.node.me.id, graceful=graceful)]
+        msg = MemberDown(term=self.node.term, node=pid, graceful=graceful)
+        out += [self.node.send(q, msg) for q in sorted(self.node.directory) if q not in (pid, self.node.me.id)]
+        out += [self.node.send(q, msg) for q in sorted(self.pending_joiners) if q != pid and q not in self.node.directory]
         return out + self.peer_down(pid, now)
 
     def suspect(self, peer: NodeId, now: float) -> list[Effect]:
         """A missed ack deadline or failed send: skip `peer` for routing until heard from; ask the
         leader to probe it (the leader evicts it if the probe goes unanswered)."""
-        if peer in self.suspects or peer not in self.directory or peer == self.me.id:
+        if peer in self.node.suspects or peer not in self.node.directory or peer == self.node.me.id:
             return []
-        self.suspects.add(peer)
-        out: list[Effect] = [record(RecordName.SUSPECT, node=self.me.id, peer=peer),
-                             self.timer(("unsuspect", peer), self.cfg.evict_after_s, now)]
-        out += list(self.router.on_peer_down(peer, now))
-        if self.leader:
-            out.append(self.send(self.leader, SuspectNotice(node=peer)))
+        self.node.suspects.add(peer)
+        out: list[Effect] = [record(RecordName.SUSPECT, node=self.node.me.id, peer=peer),
+                             self.node.timer(("unsuspect", peer), self.node.cfg.evict_after_s, now)]
+        out += list(self.node.router.on_peer_down(peer, now))
+        if self.node.leader:
+            out.append(self.node.send(self.node.leader, SuspectNotice(node=peer)))
         return out
 
     def on_unsuspect_timer(self, peer: NodeId, now: float) -> list[Effect]:
         """The leader did not evict a peer we suspected: it is alive (slow, or the link was bad)."""
-        info = self.directory.get(peer)
-        if peer not in self.suspects or info is None:
+        info = self.node.directory.get(peer)
+        if peer not in self.node.suspects or info is None:
             return []
-        self.suspects.discard(peer)
-        return list(self.router.on_peer_up(info, self.link(peer), now)) if self.in_view(info) else []
+        self.node.suspects.discard(peer)
+        return list(self.node.router.on_peer_up(info, self.node.link(peer), now)) if self.in_view(info) else []
 
     @handles(msgs.SuspectNotice, sender=Sender.MEMBER)
     def on_suspect_notice(self, sender: NodeId, msg: SuspectNotice, now: float) -> list[Effect]:
-        if not self.is_leader or msg.node not in self.directory or msg.node == self.me.id:
+        if not self.node.is_leader or msg.node not in self.node.directory or msg.node == self.node.me.id:
             return []
         if ("probe", msg.node) in self.probing:
             return []
         self.probing.add(("probe", msg.node))
-        return [self.send(msg.node, Probe(term=self.term)), self.timer(("probe", msg.node, now), self.cfg.deadline_floor_s, now)]
+        return [self.node.send(msg.node, Probe(term=self.node.term)), self.node.timer(("probe", msg.node, now), self.node.cfg.deadline_floor_s, now)]
 
     @handles(msgs.Probe, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_probe(self, sender: NodeId, msg: Probe, now: float) -> list[Effect]:
-        return [self.send(sender, Heartbeat(term=self.term, version=self.version))]
+        return [self.node.send(sender, Heartbeat(term=self.node.term, version=self.node.version))]
 
     def on_probe_timer(self, peer: NodeId, sent_s: float, now: float) -> list[Effect]:
         self.probing.discard(("probe", peer))
-        if self.is_leader and peer in self.directory and self.last_hb.get(peer, now) < sent_s:
+        if self.node.is_leader and peer in self.node.directory and self.last_hb.get(peer, now) < sent_s:
             return self.evict(peer, False, now)
         return []
 
     @handles(msgs.MemberDown, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_member_down(self, sender: NodeId, msg: MemberDown, now: float) -> list[Effect]:
         # (a new leader's MemberDown of the old one passed `fence`, which made the sender our leader)
-        if msg.node == self.me.id:
+        if msg.node == self.node.me.id:
             return self.on_evicted(sender, Evicted(term=msg.term), now)
         out = self.peer_down(msg.node, now)
-        if not self.active and self.me.stage >= 0 and msg.node == self.state_source:
-            out += [record(RecordName.STATE_SOURCE_LOST, node=self.me.id, source=msg.node)]
+        if not self.node.active and self.node.me.stage >= 0 and msg.node == self.state_source:
+            out += [record(RecordName.STATE_SOURCE_LOST, node=self.node.me.id, source=msg.node)]
             out += self.fetch_state(self.restore_point(), now)
         return out
 
@@ -456,91 +468,91 @@ class MembershipMixin(CoreState):
     def on_evicted(self, sender: NodeId, msg: Evicted, now: float) -> list[Effect]:
         """A member the leader declared dead stops (a zombie); a joiner that never served
         (e.g. silent too long while it built its stage) joins again instead, boundedly."""
-        if not self.active:
+        if not self.node.active:
             return self.rejoin("evicted", now)
         return self.stop("evicted", now)
 
     def stop(self, reason: str, now: float) -> list[Effect]:
-        self.alive = False
-        return [record(RecordName.SELF_STOP, node=self.me.id, reason=reason)]
+        self.node.alive = False
+        return [record(RecordName.SELF_STOP, node=self.node.me.id, reason=reason)]
 
     def peer_down(self, pid: NodeId, now: float) -> list[Effect]:
         """`pid` is gone: drop it, recover every piece of in-flight work that waited on it."""
         info = self._dir_drop(pid)
         if info is None:
             return []
-        self.suspects.discard(pid)
-        out: list[Effect] = list(self.router.on_peer_down(pid, now))
-        if self.cfg.view_size > 0:
+        self.node.suspects.discard(pid)
+        out: list[Effect] = list(self.node.router.on_peer_down(pid, now))
+        if self.node.cfg.view_size > 0:
             out += self._widen(now)
-        for n in sorted(self.plane.legs):
-            leg = self.plane.legs[n]
+        for n in sorted(self.node.plane.legs):
+            leg = self.node.plane.legs[n]
             out += self._recover_rec(leg, n, pid, now)
-        for mb in sorted(self.plane.origins):
-            out += self._recover_rec(self.plane.origins[mb], mb, pid, now)
-        for mb in sorted(self.plane.gouts):
-            g = self.plane.gouts.get(mb)
+        for mb in sorted(self.node.plane.origins):
+            out += self._recover_rec(self.node.plane.origins[mb], mb, pid, now)
+        for mb in sorted(self.node.plane.gouts):
+            g = self.node.plane.gouts.get(mb)
             if g is None:
                 continue
             if g.redo_start == NONE and g.path[g.pos - 1] == pid:
-                out += self.plane.bwd_failed(mb, now)
+                out += self.node.plane.bwd_failed(mb, now)
             elif g.redo_start != NONE and g.path[g.redo_start - 1] == pid:
-                out += self.plane.redo_failed(mb, now)
+                out += self.node.plane.redo_failed(mb, now)
         successor = False
-        if pid == self.leader:
+        if pid == self.node.leader:
             # the leader left gracefully: it hands the next term to the next data holder by id
             # (every node keeps every data holder, so all name the same successor)
-            self._adopt_term(self.term + 1, self._choose_leader(), now)
-            successor = self.leader == self.me.id
-            out.append(record(RecordName.LEADER_CHANGE, node=self.me.id, leader=self.leader, term=self.term))
+            self._adopt_term(self.node.term + 1, self._choose_leader(), now)
+            successor = self.node.leader == self.node.me.id
+            out.append(record(RecordName.LEADER_CHANGE, node=self.node.me.id, leader=self.node.leader, term=self.node.term))
             if successor:
-                self.vote_term, self.voted_for = self.term, self.me.id
-                out.append(record(RecordName.LEADER_TERM, node=self.me.id, term=self.term))
-        out += self.coord.on_member_dead(pid, info.stage, now)
-        return out + (self.coord.become_leader(now) if successor else [])
+                self.vote_term, self.voted_for = self.node.term, self.node.me.id
+                out.append(record(RecordName.LEADER_TERM, node=self.node.me.id, term=self.node.term))
+        out += self.node.coord.on_member_dead(pid, info.stage, now)
+        return out + (self.node.coord.become_leader(now) if successor else [])
 
     def _recover_rec(self, rec: Leg | Origin, ref: int | tuple[str, int, int], pid: NodeId,
                      now: float) -> list[Effect]:
         if rec.phase in ("out", "got") and rec.next == pid:
-            return self.plane.fwd_failed(ref, pid, now)
+            return self.node.plane.fwd_failed(ref, pid, now)
         if rec.phase == "gradwait" and rec.holder == pid:
-            return self.plane.chain_failed(ref, now)
+            return self.node.plane.chain_failed(ref, now)
         return []
 
     @handles(msgs.MemberUp, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_member_up(self, sender: NodeId, msg: MemberUp, now: float) -> list[Effect]:
         p = from_tuple(msg.peer)
-        if p.id == self.me.id:
-            if self.me.stage < 0 or p.stage != self.me.stage:
+        if p.id == self.node.me.id:
+            if self.node.me.stage < 0 or p.stage != self.node.me.stage:
                 return []  # an activation for a stage we left (we were sent to join again)
-            self.active = True
-            self.iteration = self.version
-            return [record(RecordName.ACTIVATED, node=self.me.id, stage=self.me.stage, version=self.version)]
+            self.node.active = True
+            self.node.iteration = self.node.version
+            return [record(RecordName.ACTIVATED, node=self.node.me.id, stage=self.node.me.stage, version=self.node.version)]
         if self.keeps(p):
             self._dir_set(p)
         return self._peer_up(p, now)
 
     @handles(msgs.LeaveNotice, sender=Sender.MEMBER)
     def on_leave_notice(self, sender: NodeId, msg: LeaveNotice, now: float) -> list[Effect]:
-        if self.is_leader and sender in self.directory:
+        if self.node.is_leader and sender in self.node.directory:
             return self.evict(sender, True, now)
         return []
 
     def leave(self, now: float) -> list[Effect]:
-        out: list[Effect] = [record(RecordName.LEAVE, node=self.me.id)]
-        if self.leader and self.leader != self.me.id:
-            out.append(self.send(self.leader, LeaveNotice()))
-        elif self.is_leader:
-            out += [self.send(q, MemberDown(term=self.term, node=self.me.id, graceful=True))
-                    for q in sorted(self.directory) if q != self.me.id]
-        self.alive = False
+        out: list[Effect] = [record(RecordName.LEAVE, node=self.node.me.id)]
+        if self.node.leader and self.node.leader != self.node.me.id:
+            out.append(self.node.send(self.node.leader, LeaveNotice()))
+        elif self.node.is_leader:
+            out += [self.node.send(q, MemberDown(term=self.node.term, node=self.node.me.id, graceful=True))
+                    for q in sorted(self.node.directory) if q != self.node.me.id]
+        self.node.alive = False
         return out
 
     # ---- join --------------------------------------------------------------------------
 
     def join_deadline_s(self) -> float:
         """How long a joiner waits for a Welcome (or a relay's state) before it asks again."""
-        return max(2.0 * self.cfg.evict_after_s, 4.0 * self.cfg.deadline_floor_s)
+        return max(2.0 * self.node.cfg.evict_after_s, 4.0 * self.node.cfg.deadline_floor_s)
 
     def send_join(self, now: float) -> list[Effect]:
         """Joiner: ask to join through the leader, a data holder or the contact, in turn (each of
@@ -549,72 +561,71 @@ class MembershipMixin(CoreState):
         self.join_tries += 1
         if self.join_tries > JOIN_TRIES:
             return self.stop("join_failed", now)
-        dhs = sorted(p for p, i in self.directory.items() if i.stage == 0 and p != self.me.id)
-        ways = ([self.leader] if self.leader and self.leader != self.me.id else []) + dhs + \
+        dhs = sorted(p for p, i in self.node.directory.items() if i.stage == 0 and p != self.node.me.id)
+        ways = ([self.node.leader] if self.node.leader and self.node.leader != self.node.me.id else []) + dhs + \
             ([self.contact] if self.contact else [])
-        out: list[Effect] = [self.timer(("join", 0), self.join_deadline_s(), now)]
+        out: list[Effect] = [self.node.timer(("join", 0), self.join_deadline_s(), now)]
         if ways:
-            out.append(self.send(ways[(self.join_tries - 1) % len(ways)], JoinRequest(peer=to_tuple(self.me))))
+            out.append(self.node.send(ways[(self.join_tries - 1) % len(ways)], JoinRequest(peer=to_tuple(self.node.me))))
         return out
 
     def on_join_timer(self, _: object, now: float) -> list[Effect]:
-        if self.active or self.me.stage >= 0 or not self.alive:
+        if self.node.active or self.node.me.stage >= 0 or not self.node.alive:
             return []
-        return [record(RecordName.JOIN_RETRY, node=self.me.id, tries=self.join_tries)] + self.send_join(now)
+        return [record(RecordName.JOIN_RETRY, node=self.node.me.id, tries=self.join_tries)] + self.send_join(now)
 
     def rejoin(self, reason: str, now: float) -> list[Effect]:
         """A joiner that lost its leader, or was evicted before it served, starts over."""
-        self.me = replace(self.me, stage=-1)
+        self.node.me = replace(self.node.me, stage=-1)
         self.state_source = ""
-        self.leader = ""
-        return [record(RecordName.REJOIN, node=self.me.id, reason=reason)] + self.send_join(now)
+        self.node.leader = ""
+        return [record(RecordName.REJOIN, node=self.node.me.id, reason=reason)] + self.send_join(now)
 
     def _joiner_tick(self, now: float) -> list[Effect]:
         """Heartbeat timer of a node that is not (yet) a member: a pending joiner keeps the
         leader informed, and joins again when its leader fell silent."""
-        if self.me.stage < 0 or not self.leader:
+        if self.node.me.stage < 0 or not self.node.leader:
             return []  # waiting for a Welcome: the join timer drives this phase
-        if now - self.last_leader_s > self.cfg.evict_after_s:
+        if now - self.last_leader_s > self.node.cfg.evict_after_s:
             return self.rejoin("leader_lost", now)
-        return [self.send(self.leader, Heartbeat(term=self.term, version=self.version))]
+        return [self.node.send(self.node.leader, Heartbeat(term=self.node.term, version=self.node.version))]
 
     @handles(msgs.JoinRequest, sender=Sender.ANYONE)
     def on_join_request(self, sender: NodeId, msg: JoinRequest, now: float) -> list[Effect]:
-        if not self.is_leader:
-            return [self.send(self.leader, msg)] if self.leader else []
+        if not self.node.is_leader:
+            return [self.node.send(self.node.leader, msg)] if self.node.leader else []
         joiner = msg.peer[0]
         self._forget_waiting(joiner, reassigned=True)
         self.pending_joiners.add(joiner)
         self.last_hb[joiner] = now
         self.pending_stage.pop(joiner, None)  # a retry: assign afresh
-        members = tuple(to_tuple(self.directory[p]) for p in sorted(self.directory))
-        self.welcomed_with[joiner] = frozenset(self.directory)
+        members = tuple(to_tuple(self.node.directory[p]) for p in sorted(self.node.directory))
+        self.welcomed_with[joiner] = frozenset(self.node.directory)
         util = self.utilisation()
         stage = bottleneck_stage(util)
         self.pending_stage[joiner] = (stage, msg.peer[4])
-        welcome = Welcome(term=self.term, stage=stage, members=members, utilisation=util,
-                          iteration=self.iteration, checkpoint_iteration=self.checkpoint_version())
-        return [self.send(joiner, welcome)]
+        welcome = Welcome(term=self.node.term, stage=stage, members=members, utilisation=util,
+                          iteration=self.node.iteration, checkpoint_iteration=self.checkpoint_version())
+        return [self.node.send(joiner, welcome)]
 
     def utilisation(self) -> tuple[float, ...]:
         """Per stage: microbatches per iteration / the stage's live capacity, counting the
         joiners still pending at the stage they were assigned (so nodes that join together
         spread over the stages that need them)."""
-        cap = [0] * self.S
+        cap = [0] * self.node.S
         demand = 0
-        for p in self.directory.values():
+        for p in self.node.directory.values():
             cap[p.stage] += p.capacity
             if p.stage == 0:
-                demand += min(self.train.microbatches, p.capacity)
+                demand += min(self.node.train.microbatches, p.capacity)
         for pid, (stage, capacity) in self.pending_stage.items():
-            if pid not in self.directory and 0 <= stage < self.S:
+            if pid not in self.node.directory and 0 <= stage < self.node.S:
                 cap[stage] += capacity
         return tuple(demand / c if c else UNKNOWN_STAGE_LOAD for c in cap)
 
     def checkpoint_version(self) -> int:
-        return self.version - self.version % self.cfg.checkpoint_every
+        return self.node.version - self.node.version % self.node.cfg.checkpoint_every
 
-    restore_version: int = 0  # joiner: the checkpoint its Welcome (or last Refetch) named
 
     def restore_point(self) -> int:
         """The checkpoint a joiner restores when no replica serves it: the one the leader named
@@ -623,44 +634,44 @@ class MembershipMixin(CoreState):
 
     @handles(msgs.Welcome, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_welcome(self, sender: NodeId, msg: Welcome, now: float) -> list[Effect]:
-        if self.me.stage >= 0 or self.active:
+        if self.node.me.stage >= 0 or self.node.active:
             return []
         util = msg.utilisation
         self.assigned_stage = msg.stage
         members = list(map(from_tuple, msg.members))
-        self.directory = {i.id: i for i in members}  # what a policy's stage choice may look at (SWARM)
-        stage = self.choose_join_stage(util)
-        self.me = replace(self.me, stage=stage, compute_s=self.train.stage_flops[stage] / self.speed_flops_per_s)
-        factory = self.router_factory
+        self.node.directory = {i.id: i for i in members}  # what a policy's stage choice may look at (SWARM)
+        stage = self.node.choose_join_stage(util)
+        self.node.me = replace(self.node.me, stage=stage, compute_s=self.node.train.stage_flops[stage] / self.speed_flops_per_s)
+        factory = self.node.router_factory
         if factory is not None:
-            self.router = factory(self.me)
+            self.node.router = factory(self.node.me)
         else:
-            self.router.set_me(self.me)
-        self.directory = {i.id: i for i in members if self.keeps(i)}
-        self.directory[self.me.id] = self.me
-        self.dhs_cache = None
-        if self.cfg.view_size > 0:
+            self.node.router.set_me(self.node.me)
+        self.node.directory = {i.id: i for i in members if self.keeps(i)}
+        self.node.directory[self.node.me.id] = self.node.me
+        self.node.dhs_cache = None
+        if self.node.cfg.view_size > 0:
             self.view_sizes = stage_sizes(members)
-            self.live_sizes = stage_sizes(self.directory.values())
+            self.live_sizes = stage_sizes(self.node.directory.values())
             self._view_seen = {t: self._view_threshold(t) for t in self._near_stages()}
-        self.leader = sender
+        self.node.leader = sender
         self.last_leader_s = now
-        self.iteration = msg.iteration
+        self.node.iteration = msg.iteration
         self.state_tries = 0
         self.restore_version = msg.checkpoint_iteration
-        out: list[Effect] = [record(RecordName.JOIN_STAGE, node=self.me.id, stage=stage, utilisation=util[stage])]
+        out: list[Effect] = [record(RecordName.JOIN_STAGE, node=self.node.me.id, stage=stage, utilisation=util[stage])]
         if factory is not None:
-            out += list(self.router.on_start(now))
-        for pid in sorted(self.directory):
-            out += self._peer_up(self.directory[pid], now)
+            out += list(self.node.router.on_start(now))
+        for pid in sorted(self.node.directory):
+            out += self._peer_up(self.node.directory[pid], now)
         return out + self.fetch_state(msg.checkpoint_iteration, now)
 
-    assigned_stage: int = -1
 
-    def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
+    def join_stage(self, utilisation: tuple[float, ...]) -> int:
         """The stage the leader assigned (it counts the joiners still pending), else the
-        bottleneck relay stage (highest utilisation; ties: lowest). Policies may override."""
-        if 1 <= self.assigned_stage < self.S:
+        bottleneck relay stage (highest utilisation; ties: lowest): `NodeCore.choose_join_stage`'s
+        default (the systems may override that hook)."""
+        if 1 <= self.assigned_stage < self.node.S:
             return self.assigned_stage
         return bottleneck_stage(utilisation)
 
@@ -669,34 +680,34 @@ class MembershipMixin(CoreState):
         or stalls is replaced by another, `on_state_timer`), or load the stage's checkpoint
         when it has no replica (or every replica failed us STATE_TRIES times)."""
         failed = self.state_failed_from
-        replicas = sorted(p for p, info in self.directory.items()
-                          if info.stage == self.me.stage and p != self.me.id and p not in failed)
-        size = self.train.stage_state_bytes[self.me.stage]
+        replicas = sorted(p for p, info in self.node.directory.items()
+                          if info.stage == self.node.me.stage and p != self.node.me.id and p not in failed)
+        size = self.node.train.stage_state_bytes[self.node.me.stage]
         self.state_tries += 1
         if replicas and self.state_tries <= STATE_TRIES:
-            return self._ask_state(self.rng.choice(replicas), StateRequest(stage=self.me.stage), size, now)
-        holders = sorted(p for p in self.data_holders() if p != self.me.id and p not in failed)
-        if self.cfg.checkpoint_replicate and checkpoint > 0 and holders:
+            return self._ask_state(self.node.rng.choice(replicas), StateRequest(stage=self.node.me.stage), size, now)
+        holders = sorted(p for p in self.node.data_holders() if p != self.node.me.id and p not in failed)
+        if self.node.cfg.checkpoint_replicate and checkpoint > 0 and holders:
             # several hosts: the data holders keep the newest checkpoint of every stage; our
             # own disk (below) is the last resort once every data holder refused or failed
-            return self._ask_state(holders[0], StateRequest(stage=self.me.stage, checkpoint=checkpoint), size, now)
+            return self._ask_state(holders[0], StateRequest(stage=self.node.me.stage, checkpoint=checkpoint), size, now)
         self.state_source = "checkpoint"
-        key = ("state", self.me.stage, checkpoint, "checkpoint")
-        job = self.job(ComputeKind.LOAD_CHECKPOINT, checkpoint)
-        return [Compute(job, ComputeKind.LOAD_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
+        key = ("state", self.node.me.stage, checkpoint, "checkpoint")
+        job = self.node.job(ComputeKind.LOAD_CHECKPOINT, checkpoint)
+        return [Compute(job, ComputeKind.LOAD_CHECKPOINT, self.node.me.stage, None, 0.0, (), (key,), size)]
 
     def _ask_state(self, src: NodeId, req: StateRequest, size: int, now: float) -> list[Effect]:
         """Send a state request to `src` with the state deadline (`on_state_timer`)."""
         self.state_source = src
-        deadline = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * self.ack_deadline_s(src, size))
-        return [self.send(src, req), self.timer(("sget", 0), deadline, now)]
+        deadline = max(self.join_deadline_s(), STATE_DEADLINE_FACTOR * self.node.ack_deadline_s(src, size))
+        return [self.node.send(src, req), self.node.timer(("sget", 0), deadline, now)]
 
     def on_state_timer(self, _: object, now: float) -> list[Effect]:
         src = self.state_source
-        if self.active or self.me.stage < 0 or src in ("", "checkpoint"):
+        if self.node.active or self.node.me.stage < 0 or src in ("", "checkpoint"):
             return []
         self._state_failed(src)
-        return [record(RecordName.STATE_TIMEOUT, node=self.me.id, source=src)] + \
+        return [record(RecordName.STATE_TIMEOUT, node=self.node.me.id, source=src)] + \
             self.fetch_state(self.restore_point(), now)
 
     def _state_failed(self, src: NodeId) -> None:
@@ -706,41 +717,41 @@ class MembershipMixin(CoreState):
     def on_state_request(self, sender: NodeId, msg: StateRequest, now: float) -> list[Effect]:
         if msg.checkpoint != NONE:
             return self._checkpoint_request(sender, msg)
-        if msg.stage != self.me.stage or not self.active:
-            return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
-        key = ("state", self.me.stage, self.version, self.me.id)
-        size = self.train.stage_state_bytes[self.me.stage]
-        job = self.job(ComputeKind.EXPORT_STATE, (sender, key, self.version))
-        return [Compute(job, ComputeKind.EXPORT_STATE, self.me.stage, None, 0.0, (), (key,), size)]
+        if msg.stage != self.node.me.stage or not self.node.active:
+            return [self.node.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
+        key = ("state", self.node.me.stage, self.node.version, self.node.me.id)
+        size = self.node.train.stage_state_bytes[self.node.me.stage]
+        job = self.node.job(ComputeKind.EXPORT_STATE, (sender, key, self.node.version))
+        return [Compute(job, ComputeKind.EXPORT_STATE, self.node.me.stage, None, 0.0, (), (key,), size)]
 
     def _checkpoint_request(self, sender: NodeId, msg: StateRequest) -> list[Effect]:
         """A data holder answers a joiner with its copy of checkpoint `msg.checkpoint` of
         `msg.stage` (read from disk by the driver; a missing or corrupt file fails the job,
         which refuses the request: `core.on_compute_failed`)."""
-        if self.me.stage != 0 or not self.active or not 1 <= msg.stage < self.S or msg.checkpoint < 1:
-            return [self.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
-        key = ("ckpt", msg.stage, msg.checkpoint, self.me.id)
-        size = self.train.stage_state_bytes[msg.stage]
-        job = self.job(ComputeKind.READ_CHECKPOINT, (sender, key, msg.checkpoint))
-        return [Compute(job, ComputeKind.READ_CHECKPOINT, self.me.stage, None, 0.0, (), (key,), size)]
+        if self.node.me.stage != 0 or not self.node.active or not 1 <= msg.stage < self.node.S or msg.checkpoint < 1:
+            return [self.node.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
+        key = ("ckpt", msg.stage, msg.checkpoint, self.node.me.id)
+        size = self.node.train.stage_state_bytes[msg.stage]
+        job = self.node.job(ComputeKind.READ_CHECKPOINT, (sender, key, msg.checkpoint))
+        return [Compute(job, ComputeKind.READ_CHECKPOINT, self.node.me.stage, None, 0.0, (), (key,), size)]
 
     def _keep_checkpoint(self, sender: NodeId, msg: StateTransfer) -> list[Effect]:
         """A data holder receives a relay stage's checkpoint from one of its replicas: keep it."""
         k, v = msg.stage, msg.version
-        info = self.directory.get(sender)
-        ok = (self.me.stage == 0 and msg.ok and info is not None and info.stage == k and 1 <= k < self.S
-              and v >= 1 and v % self.cfg.checkpoint_every == 0 and msg.key == ("ckpt", k, v, sender))
+        info = self.node.directory.get(sender)
+        ok = (self.node.me.stage == 0 and msg.ok and info is not None and info.stage == k and 1 <= k < self.node.S
+              and v >= 1 and v % self.node.cfg.checkpoint_every == 0 and msg.key == ("ckpt", k, v, sender))
         if not ok:
             return [log("warning", "checkpoint_refused", sender=sender, stage=k, version=v)]
-        job = self.job(ComputeKind.STORE_CHECKPOINT, msg.key)
-        return [Compute(job, ComputeKind.STORE_CHECKPOINT, self.me.stage, None, 0.0, (msg.key,), (),
+        job = self.node.job(ComputeKind.STORE_CHECKPOINT, msg.key)
+        return [Compute(job, ComputeKind.STORE_CHECKPOINT, self.node.me.stage, None, 0.0, (msg.key,), (),
                         msg.size_bytes)]
 
     @handles(msgs.StateTransfer, sender=Sender.ANYONE)
     def on_state_transfer(self, sender: NodeId, msg: StateTransfer, now: float) -> list[Effect]:
-        if self.active and msg.key[:1] == ("ckpt",):
+        if self.node.active and msg.key[:1] == ("ckpt",):
             return self._keep_checkpoint(sender, msg)
-        if self.active or msg.stage != self.me.stage or sender != self.state_source:
+        if self.node.active or msg.stage != self.node.me.stage or sender != self.state_source:
             return []
         self.state_source = ""
         if not msg.ok:
@@ -748,29 +759,29 @@ class MembershipMixin(CoreState):
             return self.fetch_state(self.restore_point(), now)
         out: list[Effect] = []
         if msg.key[:1] == ("ckpt",):
-            out.append(record(RecordName.CHECKPOINT_FETCHED, node=self.me.id, stage=msg.stage, version=msg.version,
+            out.append(record(RecordName.CHECKPOINT_FETCHED, node=self.node.me.id, stage=msg.stage, version=msg.version,
                               source=sender))
-        job = self.job(ComputeKind.IMPORT_STATE, msg.version)
-        return out + [Compute(job, ComputeKind.IMPORT_STATE, self.me.stage, None, 0.0, (msg.key,), (),
+        job = self.node.job(ComputeKind.IMPORT_STATE, msg.version)
+        return out + [Compute(job, ComputeKind.IMPORT_STATE, self.node.me.stage, None, 0.0, (msg.key,), (),
                               msg.size_bytes)]
 
     def membership_compute_done(self, kind: ComputeKind, ref: Any, now: float) -> list[Effect]:
         if kind in (ComputeKind.EXPORT_STATE, ComputeKind.READ_CHECKPOINT):
             to, key, version = ref
-            size = self.train.stage_state_bytes[key[1]]
-            return [self.send_booked(to, StateTransfer(stage=key[1], version=version, key=key, size_bytes=size),
+            size = self.node.train.stage_state_bytes[key[1]]
+            return [self.node.send_booked(to, StateTransfer(stage=key[1], version=version, key=key, size_bytes=size),
                                      now)]
         if kind == ComputeKind.EXPORT_CHECKPOINT:
             targets, key, version = ref
-            size = self.train.stage_state_bytes[key[1]]
+            size = self.node.train.stage_state_bytes[key[1]]
             msg = StateTransfer(stage=key[1], version=version, key=key, size_bytes=size)
-            return [self.send_booked(d, msg, now) for d in targets]
+            return [self.node.send_booked(d, msg, now) for d in targets]
         if kind in (ComputeKind.IMPORT_STATE, ComputeKind.LOAD_CHECKPOINT):
-            if self.active or self.me.stage < 0:
+            if self.node.active or self.node.me.stage < 0:
                 return []
-            self.version = int(ref)
+            self.node.version = int(ref)
             self.state_source = ""
-            return [self.send(self.leader, Ready(stage=self.me.stage, version=self.version, peer=to_tuple(self.me)))]
+            return [self.node.send(self.node.leader, Ready(stage=self.node.me.stage, version=self.node.version, peer=to_tuple(self.node.me)))]
         return []
 
     def state_failed(self, kind: ComputeKind, now: float) -> list[Effect]:
@@ -779,13 +790,13 @@ class MembershipMixin(CoreState):
 
     @handles(msgs.Refetch, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_refetch(self, sender: NodeId, msg: Refetch, now: float) -> list[Effect]:
-        if self.active:
+        if self.node.active:
             return []
-        if msg.stage >= 1 and msg.stage != self.me.stage:
+        if msg.stage >= 1 and msg.stage != self.node.me.stage:
             return self.rejoin("reassigned", now)  # our stage was lost meanwhile: take it over
         self.state_tries = 0
         self.state_failed_from = set()
-        self.restore_version = msg.iteration - msg.iteration % self.cfg.checkpoint_every
+        self.restore_version = msg.iteration - msg.iteration % self.node.cfg.checkpoint_every
         return self.fetch_state(self.restore_point(), now)
 
 

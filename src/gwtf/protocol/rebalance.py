@@ -64,7 +64,7 @@ class RebalanceMixin(CoreState):
         driver's clock epoch) and no join (or previous move) is under way."""
         if period_s <= 0 or now - max(self.last_rebalance_s, self.started_s) < period_s:
             return False
-        if self.pending_joiners or self.coord.lead.waiting:
+        if self.members.pending_joiners or self.coord.lead.waiting:
             return False
         self.last_rebalance_s = now
         return True
@@ -120,8 +120,8 @@ class RebalanceMixin(CoreState):
         self.suspects.clear()
         self.me = replace(self.me, stage=-1)
         out.append(self.send(self.leader, LeaveNotice()))
-        self.join_tries = 0
-        return out + self.send_join(now)
+        self.members.join_tries = 0
+        return out + self.members.send_join(now)
 
     def take_move_target(self) -> int:
         """The stage a moving peer was sent to (once), or -1 for an ordinary joiner."""

@@ -192,7 +192,7 @@ class DataPlane:
             return out + [self.node.timer(("retry", ref), self.node.cfg.retry_period_s, now)]
         self.node.release(peer)
         rec.excl.add(peer)
-        return out + self.node.suspect(peer, now) + self._resend(rec, now)
+        return out + self.node.members.suspect(peer, now) + self._resend(rec, now)
 
     def on_retry(self, ref: int | MbId, now: float) -> list[Effect]:
         rec: Leg | Origin | None = self.legs.get(ref) if isinstance(ref, int) else self.origins.get(ref)
@@ -421,7 +421,7 @@ class DataPlane:
         if g is None or g.redo_start != NONE:
             return []
         dead = g.path[g.pos - 1]
-        out: list[Effect] = [self.node.cancel(("ackb", mb))] + self.node.suspect(dead, now)
+        out: list[Effect] = [self.node.cancel(("ackb", mb))] + self.node.members.suspect(dead, now)
         start = 1 if self.node.policy.backward_recovery == "restart" else g.pos - 1
         return out + self._redo_walk(g, start, now)
 
@@ -448,7 +448,7 @@ class DataPlane:
         g = self.gouts.get(mb)
         if g is None or g.redo_start == NONE:
             return []
-        out: list[Effect] = [self.node.cancel(("redo", mb))] + self.node.suspect(g.path[g.redo_start - 1], now)
+        out: list[Effect] = [self.node.cancel(("redo", mb))] + self.node.members.suspect(g.path[g.redo_start - 1], now)
         start = g.redo_start - 1
         g.redo_start = NONE
         return out + self._redo_walk(g, start, now)

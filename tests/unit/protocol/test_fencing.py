@@ -82,10 +82,10 @@ def test_one_vote_per_voter_per_term() -> None:
     one unreachable) takes a new term, so two candidates can never both win the same term."""
     h = _started((3, 2, 1))
     voter = h.cores["a0"]
-    voter.last_leader_s = -100.0
-    first = _sends(voter._vote(h.now), m.LeaderVote)
-    voter.vote_failed_to(first[0].to)
-    second = _sends(voter._vote(h.now), m.LeaderVote)
+    voter.members.last_leader_s = -100.0
+    first = _sends(voter.members._vote(h.now), m.LeaderVote)
+    voter.members.vote_failed_to(first[0].to)
+    second = _sends(voter.members._vote(h.now), m.LeaderVote)
     assert first[0].to != second[0].to
     assert second[0].msg.term == first[0].msg.term + 1
 

@@ -45,6 +45,6 @@ def test_a_joiner_that_became_a_member_and_died_is_not_counted_again() -> None:
     leader.on_message("j0", m.Ready(stage=stage, version=leader.version, peer=info), h.now)
     assert "j0" in leader.directory
     for pid in [p for p, i in leader.directory.items() if i.stage == stage]:
-        leader.evict(pid, False, h.now)
-    assert leader.utilisation()[stage] == UNKNOWN_STAGE_LOAD
+        leader.members.evict(pid, False, h.now)
+    assert leader.members.utilisation()[stage] == UNKNOWN_STAGE_LOAD
     assert _join(leader, "j1", h.now) == stage

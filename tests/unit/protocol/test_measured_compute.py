@@ -79,7 +79,7 @@ def test_a_measured_compute_time_reaches_the_flow_costs_of_the_peers_that_price_
                                     TWO_STAGES.activation_bytes)
     assert math.isclose(nb.cost_s - before, (4.0 - PLACEHOLDER_S) / 2, rel_tol=1e-6)  # d(i,j) takes c_j / 2
     # a joiner converting the measured time to another stage uses the measured speed
-    assert slow.speed_flops_per_s == TWO_STAGES.stage_flops[1] / 4.0
+    assert slow.members.speed_flops_per_s == TWO_STAGES.stage_flops[1] / 4.0
 
 
 @pytest.mark.parametrize("placeholder_s", [PLACEHOLDER_S, 0.0])
