@@ -52,6 +52,7 @@ class RecordName(StrEnum):
     AGG_RESET = "agg_reset"
     CHAIN_FAILED = "chain_failed"
     CHECKPOINT = "checkpoint"
+    CHECKPOINT_FALLBACK = "checkpoint_fallback"
     CHECKPOINT_FETCHED = "checkpoint_fetched"
     COLLECT = "collect"
     COMPUTE_ADVERTISED = "compute_advertised"

@@ -785,8 +785,27 @@ class Membership:
         return []
 
     def state_failed(self, kind: ComputeKind, now: float) -> list[Effect]:
-        """Importing fetched state (or loading the checkpoint) failed: fetch again."""
-        return self.fetch_state(self.restore_point(), now)
+        """Importing fetched state failed: fetch again (another source, then the checkpoint).
+
+        Loading the checkpoint from our own disk failed: that version is missing or corrupt
+        here (the stage's last replica died while writing it, before any data holder got a
+        copy). Fetching it again would fail again, at once and forever (a joiner spun through
+        half a million failed loads), so step back to the previous checkpoint (every node keeps
+        the previous complete version), asking the data holders for it first; the leader rolls
+        the swarm back to the version we restore (`Coordinator._activate`). Version 0 is the
+        initial model; if even that fails this node cannot serve: it stops ("compute_failed")."""
+        if kind is not ComputeKind.LOAD_CHECKPOINT:
+            return self.fetch_state(self.restore_point(), now)
+        failed = self.restore_version
+        if failed <= 0:
+            return self.stop("compute_failed", now)
+        every = self.node.cfg.checkpoint_every
+        self.restore_version = (failed - 1) - (failed - 1) % every
+        self.state_tries = 0
+        self.state_failed_from = set()
+        out: list[Effect] = [record(RecordName.CHECKPOINT_FALLBACK, node=self.node.me.id, stage=self.node.me.stage,
+                                    failed=failed, version=self.restore_version)]
+        return out + self.fetch_state(self.restore_version, now)
 
     @handles(msgs.Refetch, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_refetch(self, sender: NodeId, msg: Refetch, now: float) -> list[Effect]:

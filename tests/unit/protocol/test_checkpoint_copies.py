@@ -177,3 +177,30 @@ def test_a_node_already_at_the_rollback_version_loads_nothing() -> None:
     assert relay.version == at
     out = relay.on_message("d0", m.Rollback(term=relay.term, version=at - 1, lost_from=at), h.now)
     assert [e.kind for e in out if isinstance(e, m.Compute)] == ["load_checkpoint"]
+
+
+def test_a_checkpoint_the_joiners_disk_cannot_load_falls_back_to_the_previous_one() -> None:
+    """The stage's last replica died while writing checkpoint 4 (blob, no manifest) and before
+    any data holder got a copy: the joiner's load of 4 fails. It asks for checkpoint 2 (the
+    data holders first, then its disk), and so on down to the initial model (version 0), whose
+    failure stops it with a reason; never the same failing load again (it spun on it)."""
+    j, out = _welcomed_joiner(True, 4)
+    refusal = m.StateTransfer(stage=2, version=-1, key=(), ok=False)
+    t = 0.2
+    for version in (4, 2):
+        assert _asked(out) == [("d0", 2, version)] and not _loads(out)
+        out = j.on_message("d0", refusal, t)
+        out = j.on_message("d1", refusal, t + 0.1)
+        loads = _loads(out)
+        assert [c.outputs for c in loads] == [(("state", 2, version, "checkpoint"),)]
+        out = j.on_compute_failed(loads[0].job_id, "CheckpointError: manifest missing", t + 0.2)
+        fallback = [dict(e.fields) for e in out if isinstance(e, m.Record) and e.event == "checkpoint_fallback"]
+        assert fallback == [{"node": "j", "stage": 2, "failed": version, "version": version - EVERY}]
+        t += 1.0
+    # version 0 is not asked of the data holders: it is the initial model, loaded in place
+    loads = _loads(out)
+    assert _asked(out) == [] and [c.outputs for c in loads] == [(("state", 2, 0, "checkpoint"),)]
+    out = j.on_compute_failed(loads[0].job_id, "RuntimeError: out of memory", t)
+    stops = [dict(e.fields) for e in out if isinstance(e, m.Record) and e.event == "self_stop"]
+    assert stops == [{"node": "j", "reason": "compute_failed"}] and not j.alive
+    assert not _loads(out) and not _asked(out)
