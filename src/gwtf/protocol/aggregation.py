@@ -1,11 +1,11 @@
 """Iteration barrier and aggregation agreement: the leader's planner and both sides' messages.
 
 Owns: `plan_redo` (pure: from the data holders' started microbatches and every replica's
-reported contributions, decide which replicas to reset and which redo chains to start), and
-`AggregationMixin`: the leader side (IterStart -> wait for every live DH -> Collect -> plan ->
-Reset/Redo until every expected microbatch is covered exactly once at every stage -> Commit ->
-Have from every replica -> Step -> next IterStart) and the replica side (Report, GradShare,
-Have, step).
+reported contributions, decide which replicas to reset and which redo chains to start; the
+leader side, `leader.Coordinator`, runs it: IterStart -> wait for every live DH -> Collect ->
+plan -> Reset/Redo until every expected microbatch is covered exactly once at every stage ->
+Commit -> Have from every replica -> Step -> next IterStart), and `Aggregation` (`node.agg`),
+the replica side (Report, GradShare, Have, step).
 
 Decision (ours, docs/protocol.md): the control plane has a coordinator, the lowest-id live data
 holder ("leader"); routing and the data plane stay decentralized. Agreement is two-phase so

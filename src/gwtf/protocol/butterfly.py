@@ -1,7 +1,7 @@
 """Butterfly all-reduce of a stage's gradients (`protocol.reduce = "butterfly"`): the replica side.
 
 Owns: `Layout` (who owns which part of a Commit's gradient, and the reduction order), the part
-sizes and tensor keys, and `ButterflyMixin`, what a replica does between the leader's `Commit`
+sizes and tensor keys, and `Butterfly` (`Aggregation.bf`), what a replica does between the leader's `Commit`
 and its `Have` instead of gather-reduce-broadcast (docs/protocol.md, aggregation):
 
 1. reduce-scatter: the gradient is cut into R contiguous parts, R = the round's replicas; part j
@@ -23,7 +23,7 @@ by bandwidth: equal parts).
 
 Crashes: a replica that dies before every other replica of its stage said `Have` may have taken
 a part nobody else holds; the leader then agrees again (a new round among the survivors,
-`LeaderMixin._commit_broken`), exactly as when gather's reducer dies. Rounds key every tensor,
+`Coordinator._commit_broken`), exactly as when gather's reducer dies. Rounds key every tensor,
 so a part of an abandoned round is never mixed into a new one.
 
 Must not import torch, asyncio, socket, threading or time.
@@ -100,7 +100,7 @@ class Butterfly:
         self.bf_joining = NONE
 
     def bf_commit(self, c: Commit, now: float) -> list[Effect]:
-        """`Commit` taken (AggregationMixin.on_commit): export my parts, or wait for the others'."""
+        """`Commit` taken (Aggregation.on_commit): export my parts, or wait for the others'."""
         lay = layout(c)
         if self.node.me.id not in lay.index:
             return [log("error", "commit_without_me", round=c.round)]

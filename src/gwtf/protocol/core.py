@@ -2,12 +2,18 @@
 
 Owns: the public API both drivers call (`on_start`, `on_message`, `on_timer`,
 `on_compute_done`, `on_send_failed`, `on_leave`), event dispatch (messages by TYPE prefix:
-"flow."/"swarm." to the router, the rest to the training, membership and aggregation parts;
+"flow."/"swarm." to the router, the rest to the part whose `@handles` method claims it;
 timers by key[0]), loopback delivery of messages a node sends to itself, and reliable resending
-of control messages whose send failed. The behaviour lives in the mixins: `training`
-(microbatch data plane and in-flight recovery), `membership` (directory, failure detection,
-join, leave), `aggregation` (replica side of the barrier and the redo planner) and `leader`
-(the coordinator's side). `docs/protocol.md` is the narrative.
+of control messages whose send failed. The behaviour lives in the parts, objects the node
+holds (`NodeCore.PARTS`), each owning its state and reaching the rest of the node through a
+typed `node` reference: `members` (`membership.Membership`: directory, failure detection,
+election, join, leave, state transfer), `plane` (`training.DataPlane`: microbatch data plane,
+its ledger and in-flight recovery), `agg` (`aggregation.Aggregation`: replica side of the
+barrier, with the butterfly all-reduce as `agg.bf`) and `coord` (`leader.Coordinator`: the
+leader's side). What every part reads (identity, directory, term and leader, suspects, link
+estimates, iteration and version) is the node's own (`ledger.CoreState`), each fact written by
+one part. The systems (`systems.SYSTEMS`) subclass NodeCore only for their hooks
+(`rebalance`, `choose_join_stage`). `docs/protocol.md` is the narrative.
 
 Every call returns a list of effects: base `Send`/`SetTimer`/`CancelTimer`/`Log` plus
 `messages.Compute`/`Record`/`FreeIteration`. A driver runs a node's `Compute`s one at a time in

@@ -31,7 +31,7 @@ class Sender(StrEnum):
     both drivers. A member is a node in my directory (or my leader); a joiner not yet active
     accepts its contact's word, since it has no directory yet."""
 
-    LEADER = "the current term's leader"  # and the term fence (`MembershipMixin.fence`)
+    LEADER = "the current term's leader"  # and the term fence (`Membership.fence`)
     MEMBER = "a member"
     NEIGHBOUR = "a member of an adjacent stage"
     REPLICA = "a member of my stage"
@@ -39,7 +39,7 @@ class Sender(StrEnum):
 
 
 class Fence(IntEnum):
-    """The term check a message gets before its handler (`MembershipMixin.fence`)."""
+    """The term check a message gets before its handler (`Membership.fence`)."""
 
     NONE = 0
     FROM_LEADER = 1  # control only the current term's leader may send

@@ -1,6 +1,6 @@
 """The leader's side of the iteration barrier: start, collect, plan, commit, step, pause.
 
-Owns: `LeaderMixin`, what the lowest-id live data holder does in addition to being a data
+Owns: `Coordinator` (`node.coord`), what the lowest-id live data holder does in addition to being a data
 holder: start iterations, wait for every live data holder's report, collect every replica's
 contributions, run `aggregation.plan_redo` (resets and redo chains) until every expected
 microbatch is covered exactly once at every stage, then commit (two phases: Have, then Step).

@@ -2,9 +2,11 @@
 
 Owns: `TrainParams` (iteration parameters), `Policy` (the seam the SWARM baseline implements),
 the ledger records (`Leg`: one forward a relay received; `Origin`: one microbatch a data holder
-started; `GradOut`: a gradient sent back and not yet acknowledged), and `CoreState`, the fields
-and small helpers (send, timers, deadlines, link moving averages) that the training,
-membership and aggregation parts of `NodeCore` share.
+started; `GradOut`: a gradient sent back and not yet acknowledged; `DataPlane` keeps them), and
+`CoreState`, the node's shared facts (identity, directory, term and leader, suspects, link
+moving averages, iteration and version) and small helpers (send, timers, deadlines) that the
+parts of `NodeCore` (membership, data plane, aggregation, coordinator) read, with the parts
+themselves as typed attributes.
 
 What the ledger keeps (DESIGN.md 5, exactly once): every activation a node sent forward and every
 gradient it sent back stays cached until the iteration's step, because aggregation-time redo
@@ -163,7 +165,7 @@ class CoreState:
         self.iteration = 0  # current iteration (from the leader)
         self.version = 0  # optimizer steps applied to this node's stage
         self.directory: dict[NodeId, PeerInfo] = {}  # every change sets dhs_cache = None
-        self.dhs_cache: frozenset[NodeId] | None = None  # MembershipMixin.data_holders
+        self.dhs_cache: frozenset[NodeId] | None = None  # data_holders()
         self.links: dict[NodeId, LinkEstimate] = {}
         self.suspects: set[NodeId] = set()
         self.leader: NodeId = ""  # the leader of `term`, "" while unknown

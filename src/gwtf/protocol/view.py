@@ -7,7 +7,7 @@ that starting N cores costs O(N x what each keeps), not O(N^2).
 With `protocol.view_size = K > 0`, node a lists peer b of an adjacent (or its own) stage iff
 `pair_score(a, b) < K / min(max(n_a, n_b), 2 min(n_a, n_b))`, n_x the size of x's stage when the
 node started (or joined), or its live size when that is smaller
-(`MembershipMixin._view_threshold`). Both ends compute the same predicate without a message, so
+(`Membership._view_threshold`). Both ends compute the same predicate without a message, so
 the neighbourhood graph is symmetric: if a routes to b, b advertises to a. Each node sees about
 K peers of each neighbouring stage (at least K/2 of a much smaller one), a random graph (an
 expander with high probability), the partial view gossip systems and SWARM's DHT lookups give
@@ -119,7 +119,7 @@ class Roster:
         self.data_holders = frozenset(p.id for p in self.members if p.stage == 0)
 
     def directory(self, stage: int, stages: int) -> dict[NodeId, PeerInfo]:
-        """What a node of `stage` keeps (`MembershipMixin.keeps`): a data holder everyone, a relay
+        """What a node of `stage` keeps (`Membership.keeps`): a data holder everyone, a relay
         the data holders and its previous, same and next stage. A fresh dict."""
         if stage == 0:
             return dict(self._everyone)
