@@ -209,7 +209,12 @@ def test_node_core_is_composed_of_parts_not_mixins() -> None:
         assert part.__mro__ == (part, object), name
         assert name in CoreState.__annotations__, name  # declared, typed, on the shared state
     for system, factory in SYSTEMS.items():
-        core = factory(ProtocolConfig()).core
-        assert issubclass(core, NodeCore) and core.PARTS == NodeCore.PARTS, system
+        for rebalance_period_s in (0.0, 60.0):
+            core = factory(ProtocolConfig(rebalance_period_s=rebalance_period_s)).core
+            assert isinstance(core, type) and issubclass(core, NodeCore), system
+            assert core.__mro__ in (NodeCore.__mro__, (core, *NodeCore.__mro__)), system  # at most one hook layer
+            assert NodeCore.PARTS.items() <= core.PARTS.items(), system
+            for name, part in core.PARTS.items():
+                assert part.__mro__ == (part, object), (system, name)
 
 

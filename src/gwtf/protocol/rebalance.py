@@ -1,6 +1,6 @@
 """Moving a relay between stages (shared by gwtf and the SWARM baseline) and gwtf's move rule.
 
-Owns: `StageMove` (leader to relay: serve another stage), `RebalanceMixin` (the move mechanics
+Owns: `StageMove` (leader to relay: serve another stage), `StageMover` (the move mechanics
 both systems use: the leader's period gate and link-based transfer estimates, the relay's
 announced leave + rejoin through the ordinary join path, which downloads the target stage's
 weights + optimizer state, `stage_state_bytes`, before serving), `plan_gwtf_move` (gwtf's
@@ -26,17 +26,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from gwtf.protocol.base import Message, NodeId, message
 from gwtf.protocol.core import NodeCore
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
-from gwtf.protocol.ledger import CoreState, Effect, Policy
+from gwtf.protocol.ledger import Effect, Policy
 from gwtf.protocol.messages import LeaveNotice, record
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 
-__all__ = ["GWTF_REBALANCE_POLICY", "GwtfCore", "RebalanceMixin", "StageMove", "plan_gwtf_move", "stage_times_s"]
+__all__ = ["GWTF_REBALANCE_POLICY", "GwtfCore", "StageMove", "StageMover", "plan_gwtf_move", "stage_times_s"]
 
 GWTF_REBALANCE_POLICY = Policy(name="gwtf", rebalance_every=1)
 """gwtf's churn policy with the rebalance hook run at every iteration start (GwtfCore acts only
@@ -53,18 +53,22 @@ class StageMove(Message):
     stage: int
 
 
-class RebalanceMixin(CoreState):
-    """Move mechanics shared by the systems that rebalance (put it before NodeCore in the bases)."""
+class StageMover:
+    """Move mechanics shared by the systems that rebalance (`GwtfCore`, `swarm.SwarmCore`: their
+    `node.mover`, a part like the others): the leader's period gate and transfer estimates, the
+    relay's side of a move. It owns the move under way; the node it reaches through `node`."""
 
-    move_target: int = -1
-    last_rebalance_s: float = 0.0
+    def __init__(self, node: NodeCore) -> None:
+        self.node = node
+        self.move_target = -1  # relay: the stage a StageMove sent it to (until it rejoins there)
+        self.last_rebalance_s = 0.0  # leader: when a rebalancing period last began
 
     def rebalance_due(self, now: float, period_s: float) -> bool:
         """Leader: a period has passed (the first counts from this node's start, whatever the
         driver's clock epoch) and no join (or previous move) is under way."""
-        if period_s <= 0 or now - max(self.last_rebalance_s, self.started_s) < period_s:
+        if period_s <= 0 or now - max(self.last_rebalance_s, self.node.started_s) < period_s:
             return False
-        if self.members.pending_joiners or self.coord.lead.waiting:
+        if self.node.members.pending_joiners or self.node.coord.lead.waiting:
             return False
         self.last_rebalance_s = now
         return True
@@ -72,7 +76,7 @@ class RebalanceMixin(CoreState):
     def transfer_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
         """Per peer: network seconds of one microbatch (activation in, gradient out), averaged
         over the links from every other member (priors where known, else our measured link)."""
-        size = self.train.route_bytes
+        size = self.node.train.route_bytes
         return self.mean_over_links(
             members, lambda lk: 2.0 * (lk.latency_s + size / max(lk.bandwidth_bytes_per_s, 1.0)))
 
@@ -81,9 +85,9 @@ class RebalanceMixin(CoreState):
         link to p) without a prior. A prior is a function of the two regions (`core.LinkPrior`),
         so the others are counted per region: O(N x regions) per call, not O(N^2) (a 10,000-node
         leader plans every period). Summed with `math.fsum`, so the order does not matter."""
-        prior = self.link_prior
+        prior = self.node.link_prior
         if prior is None or len(members) < 2:
-            return {p.id: f(self.link(p.id)) for p in members}
+            return {p.id: f(self.node.link(p.id)) for p in members}
         count: dict[str, int] = {}
         first: dict[str, PeerInfo] = {}
         for q in members:
@@ -107,21 +111,21 @@ class RebalanceMixin(CoreState):
     @handles(StageMove, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_stage_move(self, sender: NodeId, msg: StageMove, now: float) -> list[Effect]:
         """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
-        if self.me.stage < 1 or not self.active or self.is_leader \
-                or not 1 <= msg.stage < self.S:
+        if self.node.me.stage < 1 or not self.node.active or self.node.is_leader \
+                or not 1 <= msg.stage < self.node.S:
             return []
         event = RecordName.SWARM_MOVE if msg.TYPE.startswith("swarm.") else RecordName.STAGE_MOVE
-        out: list[Effect] = [record(event, node=self.me.id, stage=self.me.stage, to=msg.stage)]
+        out: list[Effect] = [record(event, node=self.node.me.id, stage=self.node.me.stage, to=msg.stage)]
         self.move_target = msg.stage
-        self.active = False
-        self.plane.clear_iteration()
-        self.jobs.clear()
-        self.plane.pending_fwd.clear()
-        self.suspects.clear()
-        self.me = replace(self.me, stage=-1)
-        out.append(self.send(self.leader, LeaveNotice()))
-        self.members.join_tries = 0
-        return out + self.members.send_join(now)
+        self.node.active = False
+        self.node.plane.clear_iteration()
+        self.node.jobs.clear()
+        self.node.plane.pending_fwd.clear()
+        self.node.suspects.clear()
+        self.node.me = replace(self.node.me, stage=-1)
+        out.append(self.node.send(self.node.leader, LeaveNotice()))
+        self.node.members.join_tries = 0
+        return out + self.node.members.send_join(now)
 
     def take_move_target(self) -> int:
         """The stage a moving peer was sent to (once), or -1 for an ordinary joiner."""
@@ -223,11 +227,15 @@ def plan_gwtf_move(inp: MoveInputs) -> tuple[NodeId, int] | None:
     return pid, bottleneck
 
 
-class GwtfCore(RebalanceMixin, NodeCore):
-    """NodeCore with gwtf's rebalancing (pass `policy=GWTF_REBALANCE_POLICY`)."""
+class GwtfCore(NodeCore):
+    """NodeCore with gwtf's rebalancing (pass `policy=GWTF_REBALANCE_POLICY`): its hooks
+    (`rebalance`, `choose_join_stage`) and the move mechanics part (`mover`)."""
+
+    PARTS: ClassVar[dict[str, type]] = {**NodeCore.PARTS, "mover": StageMover}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.mover = StageMover(self)
         self.iter_started_s = -1.0
         self.iteration_s = 0.0
 
@@ -236,11 +244,11 @@ class GwtfCore(RebalanceMixin, NodeCore):
         if self.iter_started_s >= 0:
             self.iteration_s = now - self.iter_started_s
         self.iter_started_s = now
-        if not self.rebalance_due(now, self.cfg.rebalance_period_s):
+        if not self.mover.rebalance_due(now, self.cfg.rebalance_period_s):
             return []
         members = [self.directory[p] for p in sorted(self.directory)]
         demand = sum(min(self.train.microbatches, p.capacity) for p in members if p.stage == 0)
-        transfer = self.transfer_estimates(members)
+        transfer = self.mover.transfer_estimates(members)
         inp = MoveInputs(members=members, stage_flops=self.train.stage_flops, demand=demand,
                          transfer_s=transfer, download_s=self._download_estimates(members),
                          iteration_s=self.iteration_s, min_gain=self.cfg.rebalance_min_gain,
@@ -255,10 +263,10 @@ class GwtfCore(RebalanceMixin, NodeCore):
     def _download_estimates(self, members: Sequence[PeerInfo]) -> dict[NodeId, float]:
         """Per peer: seconds to fetch the largest stage state at its mean link bandwidth."""
         biggest = max(self.train.stage_state_bytes)
-        bw = self.mean_over_links(members, lambda lk: lk.bandwidth_bytes_per_s)
+        bw = self.mover.mean_over_links(members, lambda lk: lk.bandwidth_bytes_per_s)
         return {pid: biggest / max(b, 1.0) for pid, b in bw.items()}
 
     def choose_join_stage(self, utilisation: tuple[float, ...]) -> int:
         """A moving peer serves the stage it was sent to; a new node joins the bottleneck."""
-        target = self.take_move_target()
+        target = self.mover.take_move_target()
         return target if target >= 1 else super().choose_join_stage(utilisation)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from gwtf.config import ProtocolConfig
 from gwtf.protocol.base import Message, NodeId, message
@@ -40,7 +40,7 @@ from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import Effect, Policy, TrainParams
 from gwtf.protocol.messages import record
-from gwtf.protocol.rebalance import RebalanceMixin, StageMove
+from gwtf.protocol.rebalance import StageMove, StageMover
 from gwtf.protocol.router import FlowSlot, LinkEstimate, PeerInfo
 
 __all__ = ["SWARM_POLICY", "SwarmCore", "SwarmMove", "SwarmRouter", "plan_move", "stage_throughputs"]
@@ -234,18 +234,24 @@ def plan_move(members: Sequence[PeerInfo], stage_flops: Sequence[float],
     return best[1], bottleneck
 
 
-class SwarmCore(RebalanceMixin, NodeCore):
+class SwarmCore(NodeCore):
     """NodeCore with SWARM's rebalancing: the leader plans moves, a relay carries them out
-    (the move mechanics are shared with gwtf: `protocol.rebalance.RebalanceMixin`)."""
+    (the move mechanics are shared with gwtf: `protocol.rebalance.StageMover`, `mover`)."""
+
+    PARTS: ClassVar[dict[str, type]] = {**NodeCore.PARTS, "mover": StageMover}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mover = StageMover(self)
 
     # -- leader side -------------------------------------------------------------------------
 
     def rebalance(self, now: float) -> list[Effect]:
         """Called by the leader at iteration starts; acts every `swarm_rebalance_period_s`."""
-        if not self.rebalance_due(now, self.cfg.swarm_rebalance_period_s):
+        if not self.mover.rebalance_due(now, self.cfg.swarm_rebalance_period_s):
             return []  # not yet, or a join (or the previous move) is still under way
         members = [self.directory[p] for p in sorted(self.directory)]
-        move = plan_move(members, self.train.stage_flops, self.transfer_estimates(members))
+        move = plan_move(members, self.train.stage_flops, self.mover.transfer_estimates(members))
         if move is None:
             return [record(RecordName.REBALANCE, moved="", to=-1)]
         pid, target = move
@@ -256,13 +262,13 @@ class SwarmCore(RebalanceMixin, NodeCore):
     @handles(SwarmMove, sender=Sender.MEMBER, fence=Fence.FROM_LEADER)  # a router-type name: the member rule
     def on_swarm_move(self, sender: NodeId, msg: SwarmMove, now: float) -> list[Effect]:
         """Leave the current stage (announced: peers recover our work) and rejoin at `stage`."""
-        return self.on_stage_move(sender, msg, now)
+        return self.mover.on_stage_move(sender, msg, now)
 
     def choose_join_stage(self, utilisation: Sequence[float]) -> int:
         """A moving peer serves the stage it was sent to; a joiner an operator placed
         (`fixed_stage`, the runtime's `--stage K`) keeps it; a new SWARM peer joins the stage
         with the least throughput (relay stages only; ties: lowest)."""
-        target = self.take_move_target()
+        target = self.mover.take_move_target()
         if target >= 1:
             return target
         if self.fixed_stage is not None:

@@ -179,5 +179,5 @@ def test_a_swarm_joiner_an_operator_placed_keeps_its_stage() -> None:
     assert j.choose_join_stage((1.0, 1.0, 1.0)) == 1  # SWARM's rule: stage 1 has the least throughput
     j.fixed_stage = 2
     assert j.choose_join_stage((1.0, 1.0, 1.0)) == 2
-    j.move_target = 1
+    j.mover.move_target = 1
     assert j.choose_join_stage((1.0, 1.0, 1.0)) == 1
