@@ -44,12 +44,18 @@ class FlowAdvert(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class FlowRequest(Message):
-    """Reserve one slot of flow (origin, flow_id) at the receiver; `up_s` is the sender's cost so far."""
+    """Reserve one slot of flow (origin, flow_id) at the receiver; `up_s` is the sender's cost so far.
+
+    `claim` (routing.moves.Claim): the origin has unmet demand and no next hop with capacity. A
+    full receiver may then release its costliest flow for it, if that route costs more than this
+    one would through the receiver; a receiver with spare capacity passes the claim on.
+    """
 
     TYPE = "flow.request"
     origin: str
     flow_id: int
     up_s: float
+    claim: bool = False
 
 
 @message

@@ -10,7 +10,13 @@ score a same-stage peer's table, to propose, to accept (at the peer) and to fini
 - `SwapNext` (`flow.anneal_swap_next`, PAPER.md 3.3.4 Move 1): A and B swap the next hops of two
   flows of the same origin, so two routes trade their whole tails, which single-stage moves
   cannot do when every intermediate step is worse; every node after the swap stage then trades
-  the two flows' names (FlowSwapTail).
+  the two flows' names (FlowSwapTail);
+- `Claim` (`flow.anneal_claim`): a data holder with unmet demand and no next hop with capacity
+  sends a reservation marked `claim` (FlowRequest.claim) along its own cheapest hops; the first
+  full relay on the way releases its costliest flow for it if that route costs more than the
+  claimer's would-be route through the relay (`flow.claim_margin`), and the claim goes on as an
+  ordinary reservation. Released route and new route are one move, scored at that relay: flow
+  stays the same, the max of the two routes drops. No FlowPropose kind: it travels along stages.
 
 Each strategy scores its candidates on the min-max rule (decrease of the max cost of the
 affected routes, the decrease of their sum breaking ties) and names each with an order key; the
@@ -38,12 +44,15 @@ from gwtf.protocol.routing.messages import (
     FlowCancel,
     FlowCost,
     FlowPropose,
+    FlowPushBack,
+    FlowRequest,
     FlowRespond,
+    FlowResponse,
     FlowSwapTail,
     FlowSwitch,
     FlowTable,
 )
-from gwtf.protocol.routing.state import INF, FlowEntry, FlowKey
+from gwtf.protocol.routing.state import COST_EPS_S, INF, FlowEntry, FlowKey
 
 if TYPE_CHECKING:
     from gwtf.protocol.routing.anneal import Annealer
@@ -411,3 +420,230 @@ class SwapNext:
                 out.append(e)
         st.dirty = st.dirty or bool(out)
         return out
+
+
+CLAIM_WAIT_MAX_TICKS = 32  # a data holder whose claims keep failing waits up to this long between two
+
+
+class Claim:
+    """Take a full relay's slot from a costlier route for a data holder with unmet demand.
+
+    Why a move of its own: when a bottleneck stage is full, a data holder that is served less
+    than in the optimum can only get a route by another data holder's route giving up its slot,
+    and the route it would then build (its own first and last hops, and everything between) has
+    nothing in common with the released one but that slot. The existing moves change one stage
+    of one or two routes, or hand a whole route over with its hops, so every step of that chain
+    scores worse on its own (docs/flow-protocol.md, "Known gaps", seed 2002).
+
+    At the data holder (`Reservation._build_flows` asks `may_claim`): one claim at a time, a
+    flow entry marked `claim`, sent to the next hop with the lowest d + advertised cost, capacity
+    or not (the distance vector leaves capacity out). A relay with spare capacity accepts it and
+    passes it on the same way, unless some next hop has capacity (it is then an ordinary
+    reservation). A full relay (`take`) estimates the claimer's route through it: the claim's up
+    cost + d(prev, me) + its cheapest next hop with capacity (d + advertised cost). If its
+    costliest settled flow (the victim) costs more than (1 + claim_margin) x that, it locks the
+    victim and reserves the claimer's downstream part with an ordinary request, keeping the
+    claim's entry out of its flow table meanwhile (its capacity is not exceeded). On the answer
+    it knows the new route's real cost: if the victim still costs more than (1 + claim_margin)
+    x that, it releases the victim (FlowCancel downstream, FlowPushBack upstream: its prev
+    repairs it if capacity is left anywhere, else passes it back to its data holder, which drops
+    it) and puts the claim in its slot, answering upstream as for any reservation; otherwise it
+    cancels the new downstream part and refuses. One release per completed claim, so flow never
+    drops; a relay that refuses leaves everything as it was. A data holder whose claim failed
+    waits 2, 4, ... `CLAIM_WAIT_MAX_TICKS` ticks before the next.
+
+    Messages: one request / response pair per hop the claim passes (a refused one costs the pairs
+    up to the relay that refused), and for a release one cancel per hop of the victim's
+    downstream part, one push back per hop it travels upstream and the repair's requests.
+    """
+
+    kinds: tuple[str, ...] = ()  # travels as FlowRequest.claim, not as a FlowPropose
+
+    def __init__(self, anneal: Annealer) -> None:
+        self.anneal = anneal
+        self.preempted = 0  # flows this relay released for a claim
+        self.claimed = 0  # claims of this data holder that were accepted end to end
+        self._probes: dict[FlowKey, tuple[FlowEntry, FlowKey]] = {}
+        """Full relay: claim -> (its entry, reserving downstream; not in the flow table yet, the
+        locked flow it would replace)."""
+        self._key: FlowKey | None = None  # my last claim (data holder)
+        self._wait_ticks = 0
+        self._next_s = -INF
+
+    # ------------------------------------------------------------------ data holder: launch
+
+    def may_claim(self) -> bool:
+        """Data holder with unmet demand and no next hop with capacity: start a claim now?"""
+        st = self.anneal.state
+        if not st.cfg.anneal_claim:
+            return False
+        self._settle()
+        if self._key is not None or st.now < self._next_s:
+            return False
+        return st.rng.random() < st.cfg.anneal_probability
+
+    def launched(self, e: FlowEntry) -> None:
+        e.claim = True
+        self._key = e.key
+
+    def _settle(self) -> None:
+        """The outcome of my last claim: accepted (pending no more) or gone (refused)."""
+        if self._key is None:
+            return
+        st = self.anneal.state
+        e = st.flows.get(self._key)
+        if e is not None and e.pending:
+            return
+        self._key = None
+        if e is not None:
+            self.claimed += 1
+            self._wait_ticks = 0
+            return
+        self._wait_ticks = min(max(2, 2 * self._wait_ticks), CLAIM_WAIT_MAX_TICKS)
+        self._next_s = st.now + self._wait_ticks * st.cfg.tick_s
+
+    # --------------------------------------------------------------------- full relay: take
+
+    def take(self, sender: NodeId, msg: FlowRequest) -> bool:
+        """A claim reached me while I am full. If my costliest settled flow costs more than the
+        claimer's route would through me, lock it and reserve the claimer's downstream part (an
+        ordinary request to my cheapest next hop with capacity); `finish_probe` decides on the
+        answer, with the real cost. False: not worth it here (refuse the claim)."""
+        st = self.anneal.state
+        if not st.cfg.anneal_claim or sender not in st.prev_peers or (msg.origin, msg.flow_id) in self._probes:
+            return False
+        nxt, down_s = self._down(msg.origin)
+        up_s = msg.up_s + st.link_s(sender)
+        victim = self._victim(up_s + down_s, (msg.origin, msg.flow_id))
+        if nxt is None or victim is None:
+            return False
+        e = FlowEntry(origin=msg.origin, flow_id=msg.flow_id, prev=sender, since_s=st.now)
+        e.up_prev_s, e.up_s = msg.up_s, up_s
+        e.next = nxt
+        if st.is_last:
+            e.down_next_s, e.down_s = 0.0, down_s
+            self._settle_probe(e, victim.key, st.me.id)
+            return True
+        e.pending, e.requested_s = True, st.now
+        victim.locked = True
+        self._probes[e.key] = (e, victim.key)
+        st.send(nxt, FlowRequest(e.origin, e.flow_id, e.up_s))
+        return True
+
+    def _victim(self, new_s: float, claimer: FlowKey) -> FlowEntry | None:
+        """My costliest settled flow, if it costs more than (1 + claim_margin) x `new_s`."""
+        st = self.anneal.state
+        victim = max((e for e in self.anneal.movable() if e.key != claimer),
+                     key=lambda e: (e.cost_s, e.key), default=None)
+        if victim is None or victim.cost_s <= (1.0 + st.cfg.claim_margin) * new_s + COST_EPS_S:
+            return None
+        return victim
+
+    def _down(self, origin: NodeId) -> tuple[NodeId | None, float]:
+        """My cheapest next hop with capacity for a new flow of `origin` and its cost back there
+        (d + advertised cost; the last stage: the origin itself), as an ordinary request picks it."""
+        st = self.anneal.state
+        if st.is_last:
+            return (origin, st.link_s(origin)) if origin in st.next_peers else (None, INF)
+        best: tuple[float, NodeId] | None = None
+        for pid, nb in st.next_peers.items():
+            adv = nb.cost_of(origin)
+            if nb.has_capacity and adv < INF and (best is None or (nb.cost_s + adv, pid) < best):
+                best = (nb.cost_s + adv, pid)
+        return (None, INF) if best is None else (best[1], best[0])
+
+    def probing(self, key: FlowKey) -> bool:
+        return key in self._probes
+
+    def on_probe_response(self, sender: NodeId, msg: FlowResponse) -> None:
+        """The answer to a claim's downstream reservation (Reservation hands it over)."""
+        st = self.anneal.state
+        e, victim_key = self._probes[(msg.origin, msg.flow_id)]
+        if e.next != sender:
+            return
+        del self._probes[e.key]
+        if not msg.accepted:
+            self._unlock(victim_key)
+            self._refuse(e)
+            return
+        e.down_next_s, e.down_s = msg.down_s, st.link_s(sender) + msg.down_s
+        self._settle_probe(e, victim_key, msg.last)
+
+    def cancel_probe(self, sender: NodeId, key: FlowKey, force: bool) -> None:
+        """FlowCancel of a claim I am reserving downstream for: give it up."""
+        if force or self._probes[key][0].prev == sender:
+            self.abort_probe(key)
+
+    def abort_probe(self, key: FlowKey) -> None:
+        """The claim was cancelled upstream (or timed out): release its downstream part."""
+        e, victim_key = self._probes.pop(key)
+        self._unlock(victim_key)
+        if e.next is not None:
+            self.anneal.state.send(e.next, FlowCancel(e.origin, e.flow_id, force=True))
+
+    def _settle_probe(self, e: FlowEntry, victim_key: FlowKey, last: str) -> None:
+        """The claimer's route through me is reserved and costs e.cost_s: trade, or give it up."""
+        st = self.anneal.state
+        victim = st.flows.get(victim_key)
+        self._unlock(victim_key)
+        if st.load >= st.me.capacity:  # (a slot may have come free meanwhile: then no trade)
+            if victim is None or victim.pending or victim.cost_s <= (1.0 + st.cfg.claim_margin) * e.cost_s + COST_EPS_S:
+                if e.next is not None and e.next != e.origin:
+                    st.send(e.next, FlowCancel(e.origin, e.flow_id, force=True))
+                self._refuse(e)
+                return
+            self._release(victim)
+        e.pending, e.since_s = False, st.now
+        st.flows[e.key] = e
+        st.tombstones.pop(e.key, None)
+        st.dirty = True
+        st.send(e.prev, FlowResponse(e.origin, e.flow_id, True, e.down_s, last))
+
+    def _release(self, victim: FlowEntry) -> None:
+        """Give my slot of `victim` up: cancel downstream, push back upstream (repair or drop)."""
+        st = self.anneal.state
+        st.forget(victim)
+        if victim.next is not None and victim.next != victim.origin:
+            st.send(victim.next, FlowCancel(victim.origin, victim.flow_id))
+        st.send(victim.prev, FlowPushBack(victim.origin, victim.flow_id))
+        self.preempted += 1
+
+    def _unlock(self, key: FlowKey) -> None:
+        v = self.anneal.state.flows.get(key)
+        if v is not None:
+            v.locked = False
+
+    def _refuse(self, e: FlowEntry) -> None:
+        st = self.anneal.state
+        st.send(e.prev, FlowResponse(e.origin, e.flow_id, False, cost_s=st.cost_to(e.origin),
+                                     has_capacity=st.has_capacity()))
+
+    # ------------------------------------------------------------- Move protocol (unused parts)
+
+    def best(self, offer: Offer) -> Candidate | None:
+        return None  # not scored from a same-stage peer's table
+
+    def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
+        raise AssertionError("a claim is never proposed to a same-stage peer")
+
+    def acceptable(self, e: FlowEntry, msg: FlowPropose) -> bool:
+        return False
+
+    def accept(self, sender: NodeId, e: FlowEntry, msg: FlowPropose) -> None:
+        raise AssertionError("a claim is never proposed to a same-stage peer")
+
+    def finish(self, sender: NodeId, busy: Busy, msg: FlowRespond) -> None:
+        raise AssertionError("a claim is never proposed to a same-stage peer")
+
+    def handlers(self) -> dict[type[Message], Callable[[NodeId, Any], None]]:
+        return {}
+
+    def on_tick(self) -> None:
+        st = self.anneal.state
+        if st.is_dh:
+            self._settle()
+        late = [k for k, (e, _) in self._probes.items() if st.now - e.requested_s > st.cfg.request_timeout_s]
+        for key in late:
+            e = self._probes[key][0]
+            self.abort_probe(key)
+            self._refuse(e)
