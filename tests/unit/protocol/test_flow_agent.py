@@ -5,6 +5,7 @@ node, a manual clock. Covers phase A reservation, capacity limits, crash repair,
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections import deque
 from typing import Any
@@ -122,7 +123,9 @@ def _info(n: NodeSpec) -> PeerInfo:
 
 
 def _adjacent(inst: Instance, a: NodeSpec, b: NodeSpec) -> bool:
-    return (b.stage - a.stage) % inst.stages in (0, 1, inst.stages - 1)
+    """Same, previous or next stage; not a prev / next node it has no link to (as RoutingSim)."""
+    return (b.stage - a.stage) % inst.stages in (0, 1, inst.stages - 1) and (
+        a.stage == b.stage or inst.linked(a.id, b.id))
 
 
 def _link(inst: Instance, a: NodeId, b: NodeId) -> LinkEstimate:
@@ -354,3 +357,69 @@ def test_every_move_kind_on_the_wire_has_one_strategy() -> None:
     agent = FlowAgent(PeerInfo("r1a", 1, "a", 0.05, 1), 3, 1_000_000, FlowConfig(), random.Random(0))
     kinds = [k for m in agent.anneal.moves for k in m.kinds]
     assert sorted(kinds) == sorted(MOVE_KINDS) and len(set(kinds)) == len(kinds)
+
+
+FAR = Network(
+    name="far", regions=("a", "b", "c"),
+    latency_matrix_s=((0.01, math.inf, 0.05), (math.inf, 0.01, 0.3), (0.05, 0.3, 0.01)),  # no a-b link
+    bandwidth_matrix_bytes_per_s=((2.5e8,) * 3,) * 3,
+)
+
+
+def bottleneck_instance() -> Instance:
+    """Two data holders and one route's worth of capacity: the last stage is one relay `B`
+    (region c) of capacity 1. The optimum gives it to `dh` (region a, near c): dh -> a1 -> B.
+    `far` (region b) reaches it only as far -> b1 -> B, over the slow b-c link both ways. There
+    is no a-b link, so handing far's route to dh (the `yield` move, which keeps b1) is no move at
+    all, and no relay move changes a route's owner."""
+    nodes = (
+        NodeSpec("dh", 0, "a", "x", 0.01, 8, 1), NodeSpec("far", 0, "b", "x", 0.01, 8, 1),
+        NodeSpec("a1", 1, "a", "x", 0.01, 1), NodeSpec("b1", 1, "b", "x", 0.01, 1),
+        NodeSpec("B", 2, "c", "x", 0.01, 1),
+    )
+    return Instance(nodes=nodes, stages=3, network=FAR, activation_bytes=1_000_000)
+
+
+def _bottleneck_route(h: Harness) -> Route | None:
+    """The one complete route through B, walked from its origin (names and prevs checked)."""
+    (e,) = h.agents["B"].state.flows.values() or (None,)
+    if e is None or e.pending:
+        return None
+    origin = e.origin
+    (start,) = [f for f in h.agents[origin].state.flows.values() if not f.pending and f.next]
+    route, prev, node = [origin], origin, start.next
+    while node != origin:
+        f = h.agents[node].state.flows.get(start.key)
+        assert f is not None and f.prev == prev and not f.pending, f"broken flow {start.key} at {node}"
+        route.append(node)
+        prev, node = node, f.next
+    return tuple(route)
+
+
+SEED = 3
+
+
+@pytest.mark.parametrize("claim", [False, True])
+def test_a_blocked_data_holder_claims_the_bottleneck_from_a_costlier_route(claim: bool) -> None:
+    """issue 17 (N=60 geo12 seed 2002 in small): `far` wins the race for the only slot; `dh`,
+    left with unmet demand and no next hop with capacity, claims it: B releases far's route
+    (over 4x the cost of dh's route through B) and carries dh's. Without the claim move the
+    costlier allocation stays for good: no other move reaches the optimum."""
+    inst = bottleneck_instance()
+    cfg = dataclasses.replace(FlowConfig(), anneal_claim=claim, anneal_t0_s=0.0)  # improving moves only
+    h = Harness(inst, seed=SEED, cfg=cfg)
+    h.run(1.5)
+    assert _bottleneck_route(h) == ("far", "b1", "B"), "precondition: far holds the bottleneck first"
+    h.run(40.0)
+    route = _bottleneck_route(h)
+    best = ("dh", "a1", "B")
+    assert inst.route_cost_s(best) * 4 < inst.route_cost_s(("far", "b1", "B"))
+    if claim:
+        assert route == best
+        assert h.agents["B"].anneal.claim.preempted == 1  # one release, not a ping-pong
+        assert h.agents["dh"].anneal.claim.claimed == 1
+    else:
+        assert route == ("far", "b1", "B")
+    # nothing leaked: every relay holds exactly the flow of the route through it
+    assert _relay_flow_counts(h) == {"a1": int(route[1] == "a1"), "b1": int(route[1] == "b1"), "B": 1}
+    assert all(len(h.agents[d].state.flows) == int(route[0] == d) for d in ("dh", "far"))

@@ -90,11 +90,16 @@ class FlowCancel(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class FlowPushBack(Message):
-    """Downstream -> upstream: the flow is broken below you; repair it or pass it back."""
+    """Downstream -> upstream: the flow is broken below you; repair it or pass it back.
+
+    `release`: a relay gave its slot to a claim (routing.moves.Claim): release the flow here and
+    pass the notice up; the data holder drops it (and rebuilds it whole if capacity is left).
+    """
 
     TYPE = "flow.push_back"
     origin: str
     flow_id: int
+    release: bool = False
 
 
 @message

@@ -463,7 +463,7 @@ class Claim:
         self.anneal = anneal
         self.preempted = 0  # flows this relay released for a claim
         self.claimed = 0  # claims of this data holder that were accepted end to end
-        self._probes: dict[FlowKey, tuple[FlowEntry, FlowKey]] = {}
+        self.probes: dict[FlowKey, tuple[FlowEntry, FlowKey]] = {}
         """Full relay: claim -> (its entry, reserving downstream; not in the flow table yet, the
         locked flow it would replace)."""
         self._key: FlowKey | None = None  # my last claim (data holder)
@@ -510,7 +510,7 @@ class Claim:
         ordinary request to my cheapest next hop with capacity); `finish_probe` decides on the
         answer, with the real cost. False: not worth it here (refuse the claim)."""
         st = self.anneal.state
-        if not st.cfg.anneal_claim or sender not in st.prev_peers or (msg.origin, msg.flow_id) in self._probes:
+        if not st.cfg.anneal_claim or sender not in st.prev_peers or (msg.origin, msg.flow_id) in self.probes:
             return False
         nxt, down_s = self._down(msg.origin)
         up_s = msg.up_s + st.link_s(sender)
@@ -526,7 +526,7 @@ class Claim:
             return True
         e.pending, e.requested_s = True, st.now
         victim.locked = True
-        self._probes[e.key] = (e, victim.key)
+        self.probes[e.key] = (e, victim.key)
         st.send(nxt, FlowRequest(e.origin, e.flow_id, e.up_s))
         return True
 
@@ -553,15 +553,15 @@ class Claim:
         return (None, INF) if best is None else (best[1], best[0])
 
     def probing(self, key: FlowKey) -> bool:
-        return key in self._probes
+        return key in self.probes
 
     def on_probe_response(self, sender: NodeId, msg: FlowResponse) -> None:
         """The answer to a claim's downstream reservation (Reservation hands it over)."""
         st = self.anneal.state
-        e, victim_key = self._probes[(msg.origin, msg.flow_id)]
+        e, victim_key = self.probes[(msg.origin, msg.flow_id)]
         if e.next != sender:
             return
-        del self._probes[e.key]
+        del self.probes[e.key]
         if not msg.accepted:
             self._unlock(victim_key)
             self._refuse(e)
@@ -571,12 +571,12 @@ class Claim:
 
     def cancel_probe(self, sender: NodeId, key: FlowKey, force: bool) -> None:
         """FlowCancel of a claim I am reserving downstream for: give it up."""
-        if force or self._probes[key][0].prev == sender:
+        if force or self.probes[key][0].prev == sender:
             self.abort_probe(key)
 
     def abort_probe(self, key: FlowKey) -> None:
         """The claim was cancelled upstream (or timed out): release its downstream part."""
-        e, victim_key = self._probes.pop(key)
+        e, victim_key = self.probes.pop(key)
         self._unlock(victim_key)
         if e.next is not None:
             self.anneal.state.send(e.next, FlowCancel(e.origin, e.flow_id, force=True))
@@ -605,7 +605,7 @@ class Claim:
         st.forget(victim)
         if victim.next is not None and victim.next != victim.origin:
             st.send(victim.next, FlowCancel(victim.origin, victim.flow_id))
-        st.send(victim.prev, FlowPushBack(victim.origin, victim.flow_id))
+        st.send(victim.prev, FlowPushBack(victim.origin, victim.flow_id, release=True))
         self.preempted += 1
 
     def _unlock(self, key: FlowKey) -> None:
@@ -642,8 +642,8 @@ class Claim:
         st = self.anneal.state
         if st.is_dh:
             self._settle()
-        late = [k for k, (e, _) in self._probes.items() if st.now - e.requested_s > st.cfg.request_timeout_s]
+        late = [k for k, (e, _) in self.probes.items() if st.now - e.requested_s > st.cfg.request_timeout_s]
         for key in late:
-            e = self._probes[key][0]
+            e = self.probes[key][0]
             self.abort_probe(key)
             self._refuse(e)

@@ -197,9 +197,16 @@ class Reservation:
             self.claims.cancel_probe(sender, (msg.origin, msg.flow_id), msg.force)
 
     def _on_push_back(self, sender: NodeId, msg: FlowPushBack) -> None:
-        e = self.state.find(msg.origin, msg.flow_id)
-        if e is not None and e.next == sender and not e.pending:
+        st = self.state
+        e = st.find(msg.origin, msg.flow_id)
+        if e is None or e.next != sender or e.pending:
+            return
+        if not msg.release:
             self.repair(e)
+            return
+        st.forget(e)  # released below for a claim: up to the data holder, which builds anew
+        if not st.is_dh:
+            st.send(e.prev, FlowPushBack(e.origin, e.flow_id, release=True))
 
     # ------------------------------------------------------------------------ reservations
 
