@@ -26,7 +26,7 @@ def _no_leaks(sim: RoutingSim) -> None:
     now, timeout = sim.engine.now, sim.cfg.request_timeout_s
     live = {nid: a for nid, a in sim.agents.items() if nid not in sim.dead}
     under_way = {k for a in live.values() for k, e in a.state.flows.items() if e.pending}
-    probes = {k: e for a in live.values() for k, (e, _) in a.anneal.claim.probes.items()}
+    probes = {k: p.entry for a in live.values() for k, p in a.anneal.claim.probes.items()}
     for a in live.values():
         for k, e in a.state.flows.items():
             assert not e.pending or now - e.requested_s <= 2 * timeout, f"{a.state.me.id}: {k} pending since {e.requested_s}"

@@ -85,6 +85,10 @@ class Annealer:
             and e.next is not None and e.since_s <= horizon
         ]
 
+    def blocked(self) -> bool:
+        """A data holder that wants more flows but no next-stage peer can take one (claims)."""
+        return self._dh_blocked()
+
     def _dh_blocked(self) -> bool:
         """A data holder that wants more flows but no next-stage peer can take one."""
         st = self.state

@@ -49,6 +49,9 @@ class FlowRequest(Message):
     `claim` (routing.moves.Claim): the origin has unmet demand and no next hop with capacity. A
     full receiver may then release its costliest flow for it, if that route costs more than this
     one would through the receiver; a receiver with spare capacity passes the claim on.
+    `displace_origin` / `displace_flow_id`: a full sender took a claim's slot from that flow,
+    whose next hop the receiver is; the receiver may give the claim its slot of that flow too
+    (the sender's release of it commits).
     """
 
     TYPE = "flow.request"
@@ -56,6 +59,8 @@ class FlowRequest(Message):
     flow_id: int
     up_s: float
     claim: bool = False
+    displace_origin: str = ""
+    displace_flow_id: int = -1
 
 
 @message

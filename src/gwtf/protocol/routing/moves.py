@@ -13,10 +13,11 @@ score a same-stage peer's table, to propose, to accept (at the peer) and to fini
   the two flows' names (FlowSwapTail);
 - `Claim` (`flow.anneal_claim`): a data holder with unmet demand and no next hop with capacity
   sends a reservation marked `claim` (FlowRequest.claim) along its own cheapest hops; the first
-  full relay on the way releases its costliest flow for it if that route costs more than the
-  claimer's would-be route through the relay (`flow.claim_margin`), and the claim goes on as an
-  ordinary reservation. Released route and new route are one move, scored at that relay: flow
-  stays the same, the max of the two routes drops. No FlowPropose kind: it travels along stages.
+  full relay on the way takes the slot of its costliest flow for it (and, if its next stage is
+  full too, that flow's next slot as well, FlowRequest.displace_*) and releases that flow once
+  the claimer's route is reserved and costs less than it (`flow.claim_margin`). Released route
+  and new route are one move, scored at that relay with real costs: flow stays the same, the
+  max of the two routes drops. No FlowPropose kind: it travels along stages.
 
 Each strategy scores its candidates on the min-max rule (decrease of the max cost of the
 affected routes, the decrease of their sum breaking ties) and names each with an order key; the
@@ -422,7 +423,19 @@ class SwapNext:
         return out
 
 
+@dataclass(slots=True)
+class Probe:
+    """A claim a full relay takes a slot for, while its downstream part is being reserved."""
+
+    entry: FlowEntry  # the claim's entry here (pending until the answer; then kept out of the table)
+    victim: FlowKey  # the locked flow whose slot it takes
+    chained: bool  # the victim was named by my prev: the top of the take decides, not me
+    answered: bool = False
+    last: str = ""  # the new route's last relay, from the answer
+
+
 CLAIM_WAIT_MAX_TICKS = 32  # a data holder whose claims keep failing waits up to this long between two
+CLAIM_BLOCKED_TICKS = 5  # a data holder claims only once blocked this long (routes settle first)
 
 
 class Claim:
@@ -435,26 +448,31 @@ class Claim:
     of one or two routes, or hand a whole route over with its hops, so every step of that chain
     scores worse on its own (docs/flow-protocol.md, "Known gaps", seed 2002).
 
-    At the data holder (`Reservation._build_flows` asks `may_claim`): one claim at a time, a
-    flow entry marked `claim`, sent to the next hop with the lowest d + advertised cost, capacity
-    or not (the distance vector leaves capacity out). A relay with spare capacity accepts it and
-    passes it on the same way, unless some next hop has capacity (it is then an ordinary
-    reservation). A full relay (`take`) estimates the claimer's route through it: the claim's up
-    cost + d(prev, me) + its cheapest next hop with capacity (d + advertised cost). If its
+    At the data holder (`Reservation._build_flows` asks `may_claim`): once blocked for
+    `CLAIM_BLOCKED_TICKS` ticks (the routes of the first reservations settle first), one claim
+    at a time, a flow entry marked `claim`, sent to the next hop with the lowest d + advertised
+    cost, capacity or not (the distance vector leaves capacity out). A relay with spare capacity
+    accepts it and passes it on the same way, unless some next hop has capacity (it is then an
+    ordinary reservation). A full relay (`take`, the top of the take) estimates the claimer's
+    route through it: the claim's up cost + d(prev, me) + its cheapest next hop with capacity
+    (d + advertised cost), or, if no next hop has capacity, the victim's own next hop. If its
     costliest settled flow (the victim) costs more than (1 + claim_margin) x that, it locks the
-    victim and reserves the claimer's downstream part with an ordinary request, keeping the
-    claim's entry out of its flow table meanwhile (its capacity is not exceeded). On the answer
-    it knows the new route's real cost: if the victim still costs more than (1 + claim_margin)
-    x that, it releases the victim (FlowCancel downstream, FlowPushBack upstream: its prev
-    repairs it if capacity is left anywhere, else passes it back to its data holder, which drops
-    it) and puts the claim in its slot, answering upstream as for any reservation; otherwise it
-    cancels the new downstream part and refuses. One release per completed claim, so flow never
-    drops; a relay that refuses leaves everything as it was. A data holder whose claim failed
-    waits 2, 4, ... `CLAIM_WAIT_MAX_TICKS` ticks before the next.
+    victim and reserves the claimer's downstream part (FlowRequest), keeping the claim's entry
+    out of its flow table meanwhile (its capacity is not exceeded). Sent to the victim's next
+    hop, the request names the victim (`displace_*`): that relay gives the claim its slot of the
+    victim the same way (a chained take, again possibly onward), and answers without deciding.
+    On the answer the top knows the new route's real cost: if the victim still costs more than
+    (1 + claim_margin) x that, it releases the victim (FlowCancel downstream, which also commits
+    the chained takes below; FlowPushBack(release) upstream, up to its data holder, which drops it
+    and rebuilds a whole route if capacity is left) and puts the claim in its slot, answering
+    upstream as for any reservation; otherwise it cancels the claim's downstream part (which
+    aborts the chained takes). One release per completed claim, so flow never drops; a relay
+    that refuses leaves everything as it was. A data holder whose claim failed waits 2, 4, ...
+    `CLAIM_WAIT_MAX_TICKS` ticks before the next.
 
     Messages: one request / response pair per hop the claim passes (a refused one costs the pairs
     up to the relay that refused), and for a release one cancel per hop of the victim's
-    downstream part, one push back per hop it travels upstream and the repair's requests.
+    downstream part, one push back per hop of its upstream part.
     """
 
     kinds: tuple[str, ...] = ()  # travels as FlowRequest.claim, not as a FlowPropose
@@ -463,12 +481,12 @@ class Claim:
         self.anneal = anneal
         self.preempted = 0  # flows this relay released for a claim
         self.claimed = 0  # claims of this data holder that were accepted end to end
-        self.probes: dict[FlowKey, tuple[FlowEntry, FlowKey]] = {}
-        """Full relay: claim -> (its entry, reserving downstream; not in the flow table yet, the
-        locked flow it would replace)."""
+        self.probes: dict[FlowKey, Probe] = {}
+        """Full relay: claim -> its take under way (the claim's entry is not in my flow table yet)."""
         self._key: FlowKey | None = None  # my last claim (data holder)
         self._wait_ticks = 0
         self._next_s = -INF
+        self._blocked_since: float | None = None  # data holder: blocked without a break since
 
     # ------------------------------------------------------------------ data holder: launch
 
@@ -478,7 +496,9 @@ class Claim:
         if not st.cfg.anneal_claim:
             return False
         self._settle()
-        if self._key is not None or st.now < self._next_s:
+        if self._key is not None or st.now < self._next_s or self._blocked_since is None:
+            return False
+        if st.now - self._blocked_since < CLAIM_BLOCKED_TICKS * st.cfg.tick_s:
             return False
         return st.rng.random() < st.cfg.anneal_probability
 
@@ -505,39 +525,58 @@ class Claim:
     # --------------------------------------------------------------------- full relay: take
 
     def take(self, sender: NodeId, msg: FlowRequest) -> bool:
-        """A claim reached me while I am full. If my costliest settled flow costs more than the
-        claimer's route would through me, lock it and reserve the claimer's downstream part (an
-        ordinary request to my cheapest next hop with capacity); `finish_probe` decides on the
-        answer, with the real cost. False: not worth it here (refuse the claim)."""
+        """A claim reached me while I am full: lock a flow whose slot it may take and reserve the
+        claimer's downstream part; False: not here (refuse it).
+
+        Top of a take (no `displace` in the request): the flow is my costliest settled one, if it
+        costs more than (1 + claim_margin) x the claimer's estimated route through me; I decide
+        on the answer (`_settle_probe`), with the real cost. Chained (the request names a flow
+        to displace, which my prev locked): the named flow, if my prev on it is the sender; the
+        top decides, and its release (FlowCancel of that flow) commits me (`on_released`).
+        Downstream goes to my cheapest next hop with capacity; if none has any, to the locked
+        flow's own next hop, asking it to displace that flow as well (its slot there comes free
+        with the release): a costly route that fills consecutive full stages can be claimed."""
         st = self.anneal.state
-        if not st.cfg.anneal_claim or sender not in st.prev_peers or (msg.origin, msg.flow_id) in self.probes:
+        key = (msg.origin, msg.flow_id)
+        if not st.cfg.anneal_claim or sender not in st.prev_peers or key in self.probes:
+            return False
+        up_s = msg.up_s + st.link_s(sender)
+        chained = bool(msg.displace_origin)
+        victim: FlowEntry | None
+        if chained:
+            victim = st.flows.get((msg.displace_origin, msg.displace_flow_id))
+            if victim is not None and (victim.prev != sender or victim.pending or victim.locked
+                                       or victim.repairing):
+                victim = None
+        else:
+            victim = max((e for e in self.anneal.movable() if e.key != key),
+                         key=lambda e: (e.cost_s, e.key), default=None)
+        if victim is None:
             return False
         nxt, down_s = self._down(msg.origin)
-        up_s = msg.up_s + st.link_s(sender)
-        victim = self._victim(up_s + down_s, (msg.origin, msg.flow_id))
-        if nxt is None or victim is None:
+        displace: FlowEntry | None = None
+        if nxt is None:
+            v_next = victim.next or ""
+            nb = st.next_peers.get(v_next)
+            if st.is_last or nb is None or victim.next == victim.origin:
+                return False
+            nxt, down_s, displace = v_next, nb.cost_s + nb.cost_of(msg.origin), victim
+        if not chained and victim.cost_s <= (1.0 + st.cfg.claim_margin) * (up_s + down_s) + COST_EPS_S:
             return False
         e = FlowEntry(origin=msg.origin, flow_id=msg.flow_id, prev=sender, since_s=st.now)
         e.up_prev_s, e.up_s = msg.up_s, up_s
-        e.next = nxt
+        e.next, e.requested_s = nxt, st.now
+        probe = Probe(e, victim.key, chained)
+        victim.locked = True
+        self.probes[key] = probe
         if st.is_last:
             e.down_next_s, e.down_s = 0.0, down_s
-            self._settle_probe(e, victim.key, st.me.id)
+            self._answered(probe, st.me.id)
             return True
-        e.pending, e.requested_s = True, st.now
-        victim.locked = True
-        self.probes[e.key] = (e, victim.key)
-        st.send(nxt, FlowRequest(e.origin, e.flow_id, e.up_s))
+        e.pending = True
+        d_origin, d_id = displace.key if displace is not None else ("", -1)
+        st.send(nxt, FlowRequest(e.origin, e.flow_id, e.up_s, displace_origin=d_origin, displace_flow_id=d_id))
         return True
-
-    def _victim(self, new_s: float, claimer: FlowKey) -> FlowEntry | None:
-        """My costliest settled flow, if it costs more than (1 + claim_margin) x `new_s`."""
-        st = self.anneal.state
-        victim = max((e for e in self.anneal.movable() if e.key != claimer),
-                     key=lambda e: (e.cost_s, e.key), default=None)
-        if victim is None or victim.cost_s <= (1.0 + st.cfg.claim_margin) * new_s + COST_EPS_S:
-            return None
-        return victim
 
     def _down(self, origin: NodeId) -> tuple[NodeId | None, float]:
         """My cheapest next hop with capacity for a new flow of `origin` and its cost back there
@@ -558,49 +597,83 @@ class Claim:
     def on_probe_response(self, sender: NodeId, msg: FlowResponse) -> None:
         """The answer to a claim's downstream reservation (Reservation hands it over)."""
         st = self.anneal.state
-        e, victim_key = self.probes[(msg.origin, msg.flow_id)]
-        if e.next != sender:
+        probe = self.probes[(msg.origin, msg.flow_id)]
+        e = probe.entry
+        if e.next != sender or probe.answered:
             return
-        del self.probes[e.key]
         if not msg.accepted:
-            self._unlock(victim_key)
+            del self.probes[e.key]
+            self._unlock(probe.victim)
             self._refuse(e)
             return
+        e.pending = False
         e.down_next_s, e.down_s = msg.down_s, st.link_s(sender) + msg.down_s
-        self._settle_probe(e, victim_key, msg.last)
+        self._answered(probe, msg.last)
+
+    def _answered(self, probe: Probe, last: str) -> None:
+        """The claimer's route through me is reserved below me: decide (top) or pass it up."""
+        st = self.anneal.state
+        probe.answered, probe.last = True, last
+        probe.entry.requested_s = st.now
+        if probe.chained:  # the top decides; its release of the victim commits me
+            st.send(probe.entry.prev, FlowResponse(probe.entry.origin, probe.entry.flow_id, True,
+                                                   probe.entry.down_s, last))
+            return
+        self._settle_probe(probe)
 
     def cancel_probe(self, sender: NodeId, key: FlowKey, force: bool) -> None:
         """FlowCancel of a claim I am reserving downstream for: give it up."""
-        if force or self.probes[key][0].prev == sender:
+        if force or self.probes[key].entry.prev == sender:
             self.abort_probe(key)
 
     def abort_probe(self, key: FlowKey) -> None:
         """The claim was cancelled upstream (or timed out): release its downstream part."""
-        e, victim_key = self.probes.pop(key)
-        self._unlock(victim_key)
-        if e.next is not None:
+        probe = self.probes.pop(key)
+        self._unlock(probe.victim)
+        e = probe.entry
+        if e.next is not None and e.next != e.origin:
             self.anneal.state.send(e.next, FlowCancel(e.origin, e.flow_id, force=True))
 
-    def _settle_probe(self, e: FlowEntry, victim_key: FlowKey, last: str) -> None:
-        """The claimer's route through me is reserved and costs e.cost_s: trade, or give it up."""
+    def on_released(self, key: FlowKey) -> None:
+        """Flow `key` left my table (a cancel from its prev): a chained probe waiting for that
+        release commits, its claim takes the slot (Reservation tells me)."""
+        for ck, probe in list(self.probes.items()):
+            if probe.victim == key and probe.chained:
+                del self.probes[ck]
+                if probe.answered:
+                    self._install(probe.entry)
+                else:  # released before the answer came (not by the top): give the claim up
+                    self.probes[ck] = probe
+                    self.abort_probe(ck)
+                    self._refuse(probe.entry)
+
+    def _settle_probe(self, probe: Probe) -> None:
+        """Top of a take: the claimer's route is reserved and costs e.cost_s; trade or give up."""
         st = self.anneal.state
-        victim = st.flows.get(victim_key)
-        self._unlock(victim_key)
-        if st.load >= st.me.capacity:  # (a slot may have come free meanwhile: then no trade)
-            if victim is None or victim.pending or victim.cost_s <= (1.0 + st.cfg.claim_margin) * e.cost_s + COST_EPS_S:
-                if e.next is not None and e.next != e.origin:
-                    st.send(e.next, FlowCancel(e.origin, e.flow_id, force=True))
-                self._refuse(e)
-                return
-            self._release(victim)
+        del self.probes[probe.entry.key]
+        e = probe.entry
+        victim = st.flows.get(probe.victim)
+        self._unlock(probe.victim)
+        trade = victim is not None and not victim.pending and (
+            victim.cost_s > (1.0 + st.cfg.claim_margin) * e.cost_s + COST_EPS_S)
+        if not trade or victim is None:
+            if e.next is not None and e.next != e.origin:
+                st.send(e.next, FlowCancel(e.origin, e.flow_id, force=True))
+            self._refuse(e)
+            return
+        self._release(victim)  # (its FlowCancel commits the chained probes below me, if any)
+        self._install(e)
+        st.send(e.prev, FlowResponse(e.origin, e.flow_id, True, e.down_s, probe.last))
+
+    def _install(self, e: FlowEntry) -> None:
+        st = self.anneal.state
         e.pending, e.since_s = False, st.now
         st.flows[e.key] = e
         st.tombstones.pop(e.key, None)
         st.dirty = True
-        st.send(e.prev, FlowResponse(e.origin, e.flow_id, True, e.down_s, last))
 
     def _release(self, victim: FlowEntry) -> None:
-        """Give my slot of `victim` up: cancel downstream, push back upstream (repair or drop)."""
+        """Give my slot of `victim` up: cancel downstream, release upstream up to its data holder."""
         st = self.anneal.state
         st.forget(victim)
         if victim.next is not None and victim.next != victim.origin:
@@ -642,8 +715,16 @@ class Claim:
         st = self.anneal.state
         if st.is_dh:
             self._settle()
-        late = [k for k, (e, _) in self.probes.items() if st.now - e.requested_s > st.cfg.request_timeout_s]
+            if self._key is None and not self.anneal.blocked():  # (my pending claim takes my spare)
+                self._blocked_since = None
+            elif self._blocked_since is None:
+                self._blocked_since = st.now
+        # unanswered probes time out like any reservation (refused upstream); an answered chained
+        # one waits longer for the top's decision (commit by release, or abort by cancel)
+        timeout = st.cfg.request_timeout_s
+        late = [k for k, p in self.probes.items() if st.now - p.entry.requested_s > (3 * timeout if p.answered else timeout)]
         for key in late:
-            e = self.probes[key][0]
+            probe = self.probes[key]
             self.abort_probe(key)
-            self._refuse(e)
+            if not probe.answered:
+                self._refuse(probe.entry)

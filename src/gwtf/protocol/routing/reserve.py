@@ -135,9 +135,12 @@ class Reservation:
             elif e.prev != sender:
                 self._reject(sender, msg.origin, msg.flow_id)
             return
+        claims = None if st.is_dh else self.claims
+        if msg.displace_origin and claims is not None and claims.take(sender, msg):
+            return  # a claim taking a costlier route's slots here too (routing.moves.Claim)
         if sender not in st.prev_peers or st.load >= st.me.capacity or st.is_dh:
-            # full: a claim may still take the slot of a costlier route (routing.moves.Claim)
-            if not (msg.claim and not st.is_dh and self.claims is not None and self.claims.take(sender, msg)):
+            # full: a claim may still take the slot of a costlier route
+            if not (msg.claim and claims is not None and claims.take(sender, msg)):
                 self._reject(sender, msg.origin, msg.flow_id)
             return
         e = FlowEntry(origin=msg.origin, flow_id=msg.flow_id, prev=sender, since_s=st.now)
@@ -193,6 +196,8 @@ class Reservation:
         e = st.find(msg.origin, msg.flow_id)
         if e is not None and (e.prev == sender or msg.force) and not st.is_dh:
             st.drop(e, cancel_next=True)
+            if self.claims is not None:
+                self.claims.on_released(e.key)
         elif e is None and self.claims is not None and self.claims.probing((msg.origin, msg.flow_id)):
             self.claims.cancel_probe(sender, (msg.origin, msg.flow_id), msg.force)
 
