@@ -193,6 +193,8 @@ class FlowConfig:
     anneal_reheat: float = 0.5  # on crash / join / link change: T <- max(T, reheat * T0)
     anneal_tournament: int = 3  # peers sampled per move; the one showing the dearest route is asked
     anneal_swap_next: bool = False  # also try swapping next hops (whole tails) of same-origin flows
+    anneal_claim: bool = True  # blocked data holders claim full relays' slots from costlier routes
+    claim_margin: float = 0.02  # a claim releases a route only if it costs > (1 + this) x the new one
     cooldown_ticks: int = 5  # a same-stage peer just interacted with is left alone this long
     stable_s: float = 2.0  # a flow changed more recently than this is not offered for moves
     check_every_ticks: int = 15  # consistency check of every flow with its neighbours
@@ -212,6 +214,7 @@ class FlowConfig:
         _require(self.anneal_min_t_s >= 0, "flow.anneal_min_t_s", "must be >= 0")
         _require(0.0 <= self.anneal_reheat <= 1.0, "flow.anneal_reheat", "must be in [0, 1]")
         _require(self.anneal_tournament >= 1, "flow.anneal_tournament", "must be >= 1")
+        _require(self.claim_margin >= 0, "flow.claim_margin", "must be >= 0")
         _require(self.cooldown_ticks >= 0, "flow.cooldown_ticks", "must be >= 0")
         _require(self.stable_s >= 0, "flow.stable_s", "must be >= 0")
         _require(self.tombstone_s >= 0, "flow.tombstone_s", "must be >= 0")

@@ -37,8 +37,8 @@ class FlowAgent:
         self, me: PeerInfo, stages: int, activation_bytes: int, cfg: FlowConfig, rng: random.Random
     ) -> None:
         self.state = FlowState(me, stages, activation_bytes, cfg, rng)
-        self.reservation = Reservation(self.state)
         self.anneal = Annealer(self.state)
+        self.reservation = Reservation(self.state, claims=self.anneal.claim)
         self._handlers: dict[type[Message], Callable[[NodeId, Any], None]] = {
             **self.reservation.handlers(), **self.anneal.handlers()}
 

@@ -2,7 +2,8 @@
 
 Owns: `Annealer`, the part of `routing.agent.FlowAgent` that improves established flows with
 local moves between a node A and a same-stage peer B (the moves are strategies,
-`routing.moves`: redirect, exchange, swap of next hops).
+`routing.moves`: redirect, exchange, swap of next hops), and the claims of blocked data holders
+(`routing.moves.Claim`, which travel as marked reservations through `routing.reserve`).
 
 A pulls B's table (FlowQuery / FlowTable, with B's link costs to A's flows' neighbours), every
 move scores its candidates on the min-max rule of PAPER.md 3.3.4 [I-adapt] (M_old = max cost of
@@ -14,6 +15,9 @@ to forward late notices. Between data holders a route changes owner by renaming 
 
 Messages per node: one query / table pair per tick with probability `anneal_probability`, one
 propose / respond pair per move tried, and the notices (switch, rekey, tail swap) of a move done.
+Claims: a blocked data holder sends at most one at a time (waiting 2 .. 32 ticks after a failed
+one); each hop it passes costs one request / response pair, and a release one cancel per hop
+of the released route's downstream part and one push back (then a repair's requests) upstream.
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -35,7 +39,7 @@ from gwtf.protocol.routing.messages import (
     FlowSwitch,
     FlowTable,
 )
-from gwtf.protocol.routing.moves import Busy, Choice, Exchange, Move, Offer, Redirect, SwapNext
+from gwtf.protocol.routing.moves import Busy, Choice, Claim, Exchange, Move, Offer, Redirect, SwapNext
 from gwtf.protocol.routing.state import COST_EPS_S, INF, FlowEntry, FlowState
 
 
@@ -50,7 +54,8 @@ class Annealer:
         self._cooldown: dict[NodeId, float] = {}
         self._peer_max: dict[NodeId, float] = {}  # dearest route each same-stage peer showed in its last table
         self.swap = SwapNext(self)
-        self.moves: tuple[Move, ...] = (Redirect(self), Exchange(self), self.swap)
+        self.claim = Claim(self)
+        self.moves: tuple[Move, ...] = (Redirect(self), Exchange(self), self.swap, self.claim)
         self._by_kind: dict[str, Move] = {kind: m for m in self.moves for kind in m.kinds}
 
     def handlers(self) -> dict[type[Message], Callable[[NodeId, Any], None]]:
@@ -69,7 +74,7 @@ class Annealer:
         cfg = self.state.cfg
         self.temperature_s = max(self.temperature_s, cfg.anneal_reheat * cfg.anneal_t0_s)
 
-    def _movable(self) -> list[FlowEntry]:
+    def movable(self) -> list[FlowEntry]:
         """Flows this node may offer or trade: established, settled, not in another move, and not
         under suspicion (a failed consistency check: moving it would reset the evidence)."""
         st = self.state
@@ -79,6 +84,10 @@ class Annealer:
             if not (e.pending or e.locked or e.repairing or e.check_fails)
             and e.next is not None and e.since_s <= horizon
         ]
+
+    def blocked(self) -> bool:
+        """A data holder that wants more flows but no next-stage peer can take one (claims)."""
+        return self._dh_blocked()
 
     def _dh_blocked(self) -> bool:
         """A data holder that wants more flows but no next-stage peer can take one."""
@@ -111,7 +120,7 @@ class Annealer:
         if st.rng.random() >= st.cfg.anneal_probability:
             return
         peers = [p for p in sorted(st.same_peers) if self._cooldown.get(p, -INF) <= st.now]
-        own = self._movable()
+        own = self.movable()
         spare = st.spare() if not st.is_dh or self._dh_blocked() else 0
         if not peers or (not own and spare <= 0):
             return
@@ -154,7 +163,7 @@ class Annealer:
         """The best move any strategy finds in a peer's table (ties: the first in table order)."""
         st = self.state
         links_b = dict(zip(msg.link_nodes, msg.link_costs_s))
-        own = [(e, links_b.get(e.prev, INF), links_b.get(e.next or "", INF)) for e in self._movable()]
+        own = [(e, links_b.get(e.prev, INF), links_b.get(e.next or "", INF)) for e in self.movable()]
         rows: list[tuple[int, float, float]] = []
         for i, key in enumerate(zip(msg.origins, msg.flow_ids)):
             if key in st.flows:
@@ -250,7 +259,7 @@ class Annealer:
 
     def _on_query(self, sender: NodeId, msg: FlowQuery) -> None:
         st = self.state
-        rows = self._movable()
+        rows = self.movable()
         # At a data holder the route is prev(last relay) -> me -> next(first relay); writing the
         # "cost before me" as -d(last, me) makes up_prev + down_next the route minus my two edges.
         ups = [-st.link_s(e.prev) if st.is_dh else e.up_prev_s for e in rows]

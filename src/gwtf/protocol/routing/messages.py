@@ -44,12 +44,23 @@ class FlowAdvert(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class FlowRequest(Message):
-    """Reserve one slot of flow (origin, flow_id) at the receiver; `up_s` is the sender's cost so far."""
+    """Reserve one slot of flow (origin, flow_id) at the receiver; `up_s` is the sender's cost so far.
+
+    `claim` (routing.moves.Claim): the origin has unmet demand and no next hop with capacity. A
+    full receiver may then release its costliest flow for it, if that route costs more than this
+    one would through the receiver; a receiver with spare capacity passes the claim on.
+    `displace_origin` / `displace_flow_id`: a full sender took a claim's slot from that flow,
+    whose next hop the receiver is; the receiver may give the claim its slot of that flow too
+    (the sender's release of it commits).
+    """
 
     TYPE = "flow.request"
     origin: str
     flow_id: int
     up_s: float
+    claim: bool = False
+    displace_origin: str = ""
+    displace_flow_id: int = -1
 
 
 @message
@@ -84,11 +95,16 @@ class FlowCancel(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class FlowPushBack(Message):
-    """Downstream -> upstream: the flow is broken below you; repair it or pass it back."""
+    """Downstream -> upstream: the flow is broken below you; repair it or pass it back.
+
+    `release`: a relay gave its slot to a claim (routing.moves.Claim): release the flow here and
+    pass the notice up; the data holder drops it (and rebuilds it whole if capacity is left).
+    """
 
     TYPE = "flow.push_back"
     origin: str
     flow_id: int
+    release: bool = False
 
 
 @message

@@ -10,7 +10,14 @@ score a same-stage peer's table, to propose, to accept (at the peer) and to fini
 - `SwapNext` (`flow.anneal_swap_next`, PAPER.md 3.3.4 Move 1): A and B swap the next hops of two
   flows of the same origin, so two routes trade their whole tails, which single-stage moves
   cannot do when every intermediate step is worse; every node after the swap stage then trades
-  the two flows' names (FlowSwapTail).
+  the two flows' names (FlowSwapTail);
+- `Claim` (`flow.anneal_claim`): a data holder with unmet demand and no next hop with capacity
+  sends a reservation marked `claim` (FlowRequest.claim) along its own cheapest hops; the first
+  full relay on the way takes the slot of its costliest flow for it (and, if its next stage is
+  full too, that flow's next slot as well, FlowRequest.displace_*) and releases that flow once
+  the claimer's route is reserved and costs less than it (`flow.claim_margin`). Released route
+  and new route are one move, scored at that relay with real costs: flow stays the same, the
+  max of the two routes drops. No FlowPropose kind: it travels along stages.
 
 Each strategy scores its candidates on the min-max rule (decrease of the max cost of the
 affected routes, the decrease of their sum breaking ties) and names each with an order key; the
@@ -38,12 +45,15 @@ from gwtf.protocol.routing.messages import (
     FlowCancel,
     FlowCost,
     FlowPropose,
+    FlowPushBack,
+    FlowRequest,
     FlowRespond,
+    FlowResponse,
     FlowSwapTail,
     FlowSwitch,
     FlowTable,
 )
-from gwtf.protocol.routing.state import INF, FlowEntry, FlowKey
+from gwtf.protocol.routing.state import COST_EPS_S, INF, FlowEntry, FlowKey
 
 if TYPE_CHECKING:
     from gwtf.protocol.routing.anneal import Annealer
@@ -411,3 +421,310 @@ class SwapNext:
                 out.append(e)
         st.dirty = st.dirty or bool(out)
         return out
+
+
+@dataclass(slots=True)
+class Probe:
+    """A claim a full relay takes a slot for, while its downstream part is being reserved."""
+
+    entry: FlowEntry  # the claim's entry here (pending until the answer; then kept out of the table)
+    victim: FlowKey  # the locked flow whose slot it takes
+    chained: bool  # the victim was named by my prev: the top of the take decides, not me
+    answered: bool = False
+    last: str = ""  # the new route's last relay, from the answer
+
+
+CLAIM_WAIT_MAX_TICKS = 32  # a data holder whose claims keep failing waits up to this long between two
+CLAIM_BLOCKED_TICKS = 5  # a data holder claims only once blocked this long (routes settle first)
+
+
+class Claim:
+    """Take a full relay's slot from a costlier route for a data holder with unmet demand.
+
+    Why a move of its own: when a bottleneck stage is full, a data holder that is served less
+    than in the optimum can only get a route by another data holder's route giving up its slot,
+    and the route it would then build (its own first and last hops, and everything between) has
+    nothing in common with the released one but that slot. The existing moves change one stage
+    of one or two routes, or hand a whole route over with its hops, so every step of that chain
+    scores worse on its own (docs/flow-protocol.md, "Known gaps", seed 2002).
+
+    At the data holder (`Reservation._build_flows` asks `may_claim`): once blocked for
+    `CLAIM_BLOCKED_TICKS` ticks (the routes of the first reservations settle first), one claim
+    at a time, a flow entry marked `claim`, sent to the next hop with the lowest d + advertised
+    cost, capacity or not (the distance vector leaves capacity out). A relay with spare capacity
+    accepts it and passes it on the same way, unless some next hop has capacity (it is then an
+    ordinary reservation). A full relay (`take`, the top of the take) estimates the claimer's
+    route through it: the claim's up cost + d(prev, me) + its cheapest next hop with capacity
+    (d + advertised cost), or, if no next hop has capacity, the victim's own next hop. If its
+    costliest settled flow (the victim) costs more than (1 + claim_margin) x that, it locks the
+    victim and reserves the claimer's downstream part (FlowRequest), keeping the claim's entry
+    out of its flow table meanwhile (its capacity is not exceeded). Sent to the victim's next
+    hop, the request names the victim (`displace_*`): that relay gives the claim its slot of the
+    victim the same way (a chained take, again possibly onward), and answers without deciding.
+    On the answer the top knows the new route's real cost: if the victim still costs more than
+    (1 + claim_margin) x that, it releases the victim (FlowCancel downstream, which also commits
+    the chained takes below; FlowPushBack(release) upstream, up to its data holder, which drops it
+    and rebuilds a whole route if capacity is left) and puts the claim in its slot, answering
+    upstream as for any reservation; otherwise it cancels the claim's downstream part (which
+    aborts the chained takes). One release per completed claim, so flow never drops; a relay
+    that refuses leaves everything as it was. A data holder whose claim failed waits 2, 4, ...
+    `CLAIM_WAIT_MAX_TICKS` ticks before the next.
+
+    Messages: one request / response pair per hop the claim passes (a refused one costs the pairs
+    up to the relay that refused), and for a release one cancel per hop of the victim's
+    downstream part, one push back per hop of its upstream part.
+    """
+
+    kinds: tuple[str, ...] = ()  # travels as FlowRequest.claim, not as a FlowPropose
+
+    def __init__(self, anneal: Annealer) -> None:
+        self.anneal = anneal
+        self.preempted = 0  # flows this relay released for a claim
+        self.claimed = 0  # claims of this data holder that were accepted end to end
+        self.probes: dict[FlowKey, Probe] = {}
+        """Full relay: claim -> its take under way (the claim's entry is not in my flow table yet)."""
+        self._key: FlowKey | None = None  # my last claim (data holder)
+        self._wait_ticks = 0
+        self._next_s = -INF
+        self._blocked_since: float | None = None  # data holder: blocked without a break since
+
+    # ------------------------------------------------------------------ data holder: launch
+
+    def may_claim(self) -> bool:
+        """Data holder with unmet demand and no next hop with capacity: start a claim now?"""
+        st = self.anneal.state
+        if not st.cfg.anneal_claim:
+            return False
+        self._settle()
+        if self._key is not None or st.now < self._next_s or self._blocked_since is None:
+            return False
+        if st.now - self._blocked_since < CLAIM_BLOCKED_TICKS * st.cfg.tick_s:
+            return False
+        return st.rng.random() < st.cfg.anneal_probability
+
+    def launched(self, e: FlowEntry) -> None:
+        e.claim = True
+        self._key = e.key
+
+    def _settle(self) -> None:
+        """The outcome of my last claim: accepted (pending no more) or gone (refused)."""
+        if self._key is None:
+            return
+        st = self.anneal.state
+        e = st.flows.get(self._key)
+        if e is not None and e.pending:
+            return
+        self._key = None
+        if e is not None:
+            self.claimed += 1
+            self._wait_ticks = 0
+            return
+        self._wait_ticks = min(max(2, 2 * self._wait_ticks), CLAIM_WAIT_MAX_TICKS)
+        self._next_s = st.now + self._wait_ticks * st.cfg.tick_s
+
+    # --------------------------------------------------------------------- full relay: take
+
+    def take(self, sender: NodeId, msg: FlowRequest) -> bool:
+        """A claim reached me while I am full: lock a flow whose slot it may take and reserve the
+        claimer's downstream part; False: not here (refuse it).
+
+        Top of a take (no `displace` in the request): the flow is my costliest settled one, if it
+        costs more than (1 + claim_margin) x the claimer's estimated route through me; I decide
+        on the answer (`_settle_probe`), with the real cost. Chained (the request names a flow
+        to displace, which my prev locked): the named flow, if my prev on it is the sender; the
+        top decides, and its release (FlowCancel of that flow) commits me (`on_released`).
+        Downstream goes to my cheapest next hop with capacity; if none has any, to the locked
+        flow's own next hop, asking it to displace that flow as well (its slot there comes free
+        with the release): a costly route that fills consecutive full stages can be claimed."""
+        st = self.anneal.state
+        key = (msg.origin, msg.flow_id)
+        if not st.cfg.anneal_claim or sender not in st.prev_peers or key in self.probes:
+            return False
+        up_s = msg.up_s + st.link_s(sender)
+        chained = bool(msg.displace_origin)
+        victim: FlowEntry | None
+        if chained:
+            victim = st.flows.get((msg.displace_origin, msg.displace_flow_id))
+            if victim is not None and (victim.prev != sender or victim.pending or victim.locked
+                                       or victim.repairing):
+                victim = None
+        else:
+            victim = max((e for e in self.anneal.movable() if e.key != key),
+                         key=lambda e: (e.cost_s, e.key), default=None)
+        if victim is None:
+            return False
+        nxt, down_s = self._down(msg.origin)
+        displace: FlowEntry | None = None
+        if nxt is None:
+            v_next = victim.next or ""
+            nb = st.next_peers.get(v_next)
+            if st.is_last or nb is None or victim.next == victim.origin:
+                return False
+            nxt, down_s, displace = v_next, nb.cost_s + nb.cost_of(msg.origin), victim
+        if not chained and victim.cost_s <= (1.0 + st.cfg.claim_margin) * (up_s + down_s) + COST_EPS_S:
+            return False
+        e = FlowEntry(origin=msg.origin, flow_id=msg.flow_id, prev=sender, since_s=st.now)
+        e.up_prev_s, e.up_s = msg.up_s, up_s
+        e.next, e.requested_s = nxt, st.now
+        probe = Probe(e, victim.key, chained)
+        victim.locked = True
+        self.probes[key] = probe
+        if st.is_last:
+            e.down_next_s, e.down_s = 0.0, down_s
+            self._answered(probe, st.me.id)
+            return True
+        e.pending = True
+        d_origin, d_id = displace.key if displace is not None else ("", -1)
+        st.send(nxt, FlowRequest(e.origin, e.flow_id, e.up_s, displace_origin=d_origin, displace_flow_id=d_id))
+        return True
+
+    def _down(self, origin: NodeId) -> tuple[NodeId | None, float]:
+        """My cheapest next hop with capacity for a new flow of `origin` and its cost back there
+        (d + advertised cost; the last stage: the origin itself), as an ordinary request picks it."""
+        st = self.anneal.state
+        if st.is_last:
+            return (origin, st.link_s(origin)) if origin in st.next_peers else (None, INF)
+        best: tuple[float, NodeId] | None = None
+        for pid, nb in st.next_peers.items():
+            adv = nb.cost_of(origin)
+            if nb.has_capacity and adv < INF and (best is None or (nb.cost_s + adv, pid) < best):
+                best = (nb.cost_s + adv, pid)
+        return (None, INF) if best is None else (best[1], best[0])
+
+    def probing(self, key: FlowKey) -> bool:
+        return key in self.probes
+
+    def on_probe_response(self, sender: NodeId, msg: FlowResponse) -> None:
+        """The answer to a claim's downstream reservation (Reservation hands it over)."""
+        st = self.anneal.state
+        probe = self.probes[(msg.origin, msg.flow_id)]
+        e = probe.entry
+        if e.next != sender or probe.answered:
+            return
+        if not msg.accepted:
+            del self.probes[e.key]
+            self._unlock(probe.victim)
+            self._refuse(e)
+            return
+        e.pending = False
+        e.down_next_s, e.down_s = msg.down_s, st.link_s(sender) + msg.down_s
+        self._answered(probe, msg.last)
+
+    def _answered(self, probe: Probe, last: str) -> None:
+        """The claimer's route through me is reserved below me: decide (top) or pass it up."""
+        st = self.anneal.state
+        probe.answered, probe.last = True, last
+        probe.entry.requested_s = st.now
+        if probe.chained:  # the top decides; its release of the victim commits me
+            st.send(probe.entry.prev, FlowResponse(probe.entry.origin, probe.entry.flow_id, True,
+                                                   probe.entry.down_s, last))
+            return
+        self._settle_probe(probe)
+
+    def cancel_probe(self, sender: NodeId, key: FlowKey, force: bool) -> None:
+        """FlowCancel of a claim I am reserving downstream for: give it up."""
+        if force or self.probes[key].entry.prev == sender:
+            self.abort_probe(key)
+
+    def abort_probe(self, key: FlowKey) -> None:
+        """The claim was cancelled upstream (or timed out): release its downstream part."""
+        probe = self.probes.pop(key)
+        self._unlock(probe.victim)
+        e = probe.entry
+        if e.next is not None and e.next != e.origin:
+            self.anneal.state.send(e.next, FlowCancel(e.origin, e.flow_id, force=True))
+
+    def on_released(self, key: FlowKey) -> None:
+        """Flow `key` left my table (a cancel from its prev): a chained probe waiting for that
+        release commits, its claim takes the slot (Reservation tells me)."""
+        for ck, probe in list(self.probes.items()):
+            if probe.victim == key and probe.chained:
+                del self.probes[ck]
+                if probe.answered:
+                    self._install(probe.entry)
+                else:  # released before the answer came (not by the top): give the claim up
+                    self.probes[ck] = probe
+                    self.abort_probe(ck)
+                    self._refuse(probe.entry)
+
+    def _settle_probe(self, probe: Probe) -> None:
+        """Top of a take: the claimer's route is reserved and costs e.cost_s; trade or give up."""
+        st = self.anneal.state
+        del self.probes[probe.entry.key]
+        e = probe.entry
+        victim = st.flows.get(probe.victim)
+        self._unlock(probe.victim)
+        trade = victim is not None and not victim.pending and (
+            victim.cost_s > (1.0 + st.cfg.claim_margin) * e.cost_s + COST_EPS_S)
+        if not trade or victim is None:
+            if e.next is not None and e.next != e.origin:
+                st.send(e.next, FlowCancel(e.origin, e.flow_id, force=True))
+            self._refuse(e)
+            return
+        self._release(victim)  # (its FlowCancel commits the chained probes below me, if any)
+        self._install(e)
+        st.send(e.prev, FlowResponse(e.origin, e.flow_id, True, e.down_s, probe.last))
+
+    def _install(self, e: FlowEntry) -> None:
+        st = self.anneal.state
+        e.pending, e.since_s = False, st.now
+        st.flows[e.key] = e
+        st.tombstones.pop(e.key, None)
+        st.dirty = True
+
+    def _release(self, victim: FlowEntry) -> None:
+        """Give my slot of `victim` up: cancel downstream, release upstream up to its data holder."""
+        st = self.anneal.state
+        st.forget(victim)
+        if victim.next is not None and victim.next != victim.origin:
+            st.send(victim.next, FlowCancel(victim.origin, victim.flow_id))
+        st.send(victim.prev, FlowPushBack(victim.origin, victim.flow_id, release=True))
+        self.preempted += 1
+
+    def _unlock(self, key: FlowKey) -> None:
+        v = self.anneal.state.flows.get(key)
+        if v is not None:
+            v.locked = False
+
+    def _refuse(self, e: FlowEntry) -> None:
+        st = self.anneal.state
+        st.send(e.prev, FlowResponse(e.origin, e.flow_id, False, cost_s=st.cost_to(e.origin),
+                                     has_capacity=st.has_capacity()))
+
+    # ------------------------------------------------------------- Move protocol (unused parts)
+
+    def best(self, offer: Offer) -> Candidate | None:
+        return None  # not scored from a same-stage peer's table
+
+    def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
+        raise AssertionError("a claim is never proposed to a same-stage peer")
+
+    def acceptable(self, e: FlowEntry, msg: FlowPropose) -> bool:
+        return False
+
+    def accept(self, sender: NodeId, e: FlowEntry, msg: FlowPropose) -> None:
+        raise AssertionError("a claim is never proposed to a same-stage peer")
+
+    def finish(self, sender: NodeId, busy: Busy, msg: FlowRespond) -> None:
+        raise AssertionError("a claim is never proposed to a same-stage peer")
+
+    def handlers(self) -> dict[type[Message], Callable[[NodeId, Any], None]]:
+        return {}
+
+    def on_tick(self) -> None:
+        st = self.anneal.state
+        if st.is_dh:
+            self._settle()
+            if self._key is None and not self.anneal.blocked():  # (my pending claim takes my spare)
+                self._blocked_since = None
+            elif self._blocked_since is None:
+                self._blocked_since = st.now
+        # unanswered probes time out like any reservation (refused upstream); an answered chained
+        # one waits longer for the top's decision (commit by release, or abort by cancel)
+        timeout = st.cfg.request_timeout_s
+        late = [k for k, p in self.probes.items() if st.now - p.entry.requested_s > (3 * timeout if p.answered else timeout)]
+        for key in late:
+            probe = self.probes[key]
+            self.abort_probe(key)
+            if not probe.answered:
+                self._refuse(probe.entry)

@@ -17,7 +17,7 @@ Must not import torch, asyncio, socket, threading or time.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.routing.messages import (
@@ -33,14 +33,18 @@ from gwtf.protocol.routing.messages import (
 )
 from gwtf.protocol.routing.state import INF, FlowEntry, FlowState
 
+if TYPE_CHECKING:
+    from gwtf.protocol.routing.moves import Claim
+
 EARLY_ADVERTS_KEPT = 64  # adverts kept from peers not yet up (joiners between Welcome and MemberUp)
 
 
 class Reservation:
     """Route building (phase A), repairs, notices along flows and consistency checks."""
 
-    def __init__(self, state: FlowState) -> None:
+    def __init__(self, state: FlowState, claims: Claim | None = None) -> None:
         self.state = state
+        self.claims = claims  # blocked data holders' claims (routing.moves.Claim); None: none
 
     def handlers(self) -> dict[type[Message], Callable[[NodeId, Any], None]]:
         return {
@@ -74,13 +78,21 @@ class Reservation:
         st = self.state
         pending = sum(1 for e in st.flows.values() if e.pending)
         while st.spare() > 0 and pending < st.cfg.max_pending_requests:
+            claim = False
             if self._best_next(st.me.id, ()) is None:
-                return
+                # blocked: no next hop has capacity; maybe claim a full relay's slot instead
+                claim = pending == 0 and self.claims is not None and self.claims.may_claim()
+                if not claim or self._best_next(st.me.id, (), blind=True) is None:
+                    return
             fid = st.new_flow_id()
             e = FlowEntry(origin=st.me.id, flow_id=fid, prev=st.me.id, since_s=st.now)
             st.flows[e.key] = e
             pending += 1
+            if claim and self.claims is not None:
+                self.claims.launched(e)
             self.forward(e)
+            if claim:
+                return
 
     def on_peer_down(self, peer: NodeId) -> None:
         """`peer` is gone: rebuild the flows it was next on, release those it fed (relays)."""
@@ -123,11 +135,17 @@ class Reservation:
             elif e.prev != sender:
                 self._reject(sender, msg.origin, msg.flow_id)
             return
+        claims = None if st.is_dh else self.claims
+        if msg.displace_origin and claims is not None and claims.take(sender, msg):
+            return  # a claim taking a costlier route's slots here too (routing.moves.Claim)
         if sender not in st.prev_peers or st.load >= st.me.capacity or st.is_dh:
-            self._reject(sender, msg.origin, msg.flow_id)
+            # full: a claim may still take the slot of a costlier route
+            if not (msg.claim and claims is not None and claims.take(sender, msg)):
+                self._reject(sender, msg.origin, msg.flow_id)
             return
         e = FlowEntry(origin=msg.origin, flow_id=msg.flow_id, prev=sender, since_s=st.now)
         e.up_prev_s, e.up_s = msg.up_s, msg.up_s + st.link_s(sender)
+        e.claim = msg.claim and not st.is_last  # a relay with room passes the claim on
         st.flows[key] = e
         st.dirty = True
         if st.is_last:
@@ -143,6 +161,9 @@ class Reservation:
     def _on_response(self, sender: NodeId, msg: FlowResponse) -> None:
         st = self.state
         e = st.find(msg.origin, msg.flow_id)
+        if e is None and self.claims is not None and self.claims.probing((msg.origin, msg.flow_id)):
+            self.claims.on_probe_response(sender, msg)
+            return
         if e is None or not e.pending or e.next != sender:
             if msg.accepted:
                 st.send(sender, FlowCancel(msg.origin, msg.flow_id))
@@ -157,6 +178,7 @@ class Reservation:
             self.forward(e)
             return
         e.pending = False
+        e.claim = False
         e.since_s = st.now
         e.check_fails = 0
         e.down_next_s, e.down_s = msg.down_s, st.link_s(sender) + msg.down_s
@@ -174,23 +196,35 @@ class Reservation:
         e = st.find(msg.origin, msg.flow_id)
         if e is not None and (e.prev == sender or msg.force) and not st.is_dh:
             st.drop(e, cancel_next=True)
+            if self.claims is not None:
+                self.claims.on_released(e.key)
+        elif e is None and self.claims is not None and self.claims.probing((msg.origin, msg.flow_id)):
+            self.claims.cancel_probe(sender, (msg.origin, msg.flow_id), msg.force)
 
     def _on_push_back(self, sender: NodeId, msg: FlowPushBack) -> None:
-        e = self.state.find(msg.origin, msg.flow_id)
-        if e is not None and e.next == sender and not e.pending:
+        st = self.state
+        e = st.find(msg.origin, msg.flow_id)
+        if e is None or e.next != sender or e.pending:
+            return
+        if not msg.release:
             self.repair(e)
+            return
+        st.forget(e)  # released below for a claim: up to the data holder, which builds anew
+        if not st.is_dh:
+            st.send(e.prev, FlowPushBack(e.origin, e.flow_id, release=True))
 
     # ------------------------------------------------------------------------ reservations
 
-    def _best_next(self, origin: NodeId, tried: Iterable[NodeId]) -> NodeId | None:
-        """Cheapest next-stage peer with capacity for a new flow of `origin` (link + advertised)."""
+    def _best_next(self, origin: NodeId, tried: Iterable[NodeId], blind: bool = False) -> NodeId | None:
+        """Cheapest next-stage peer with capacity for a new flow of `origin` (link + advertised);
+        `blind`: capacity or not (where a claim goes when no next hop has capacity)."""
         st = self.state
         if st.is_last:
             return origin if origin in st.next_peers and origin not in tried else None
         skip = set(tried)
         best: tuple[float, NodeId] | None = None
         for pid, nb in st.next_peers.items():
-            if not nb.has_capacity or pid in skip:
+            if not (nb.has_capacity or blind) or pid in skip:
                 continue
             adv = nb.cost_of(origin)
             if adv < INF and (best is None or (nb.cost_s + adv, pid) < best):
@@ -203,6 +237,11 @@ class Reservation:
         if e.next is not None and e.next not in e.tried:
             e.tried.append(e.next)
         nxt = None if len(e.tried) >= st.cfg.request_tries else self._best_next(e.origin, e.tried)
+        if e.claim and not st.is_last:
+            if nxt is not None:
+                e.claim = False  # a next hop has capacity: an ordinary reservation from here
+            elif len(e.tried) < st.cfg.request_tries:
+                nxt = self._best_next(e.origin, e.tried, blind=True)
         if nxt is None:
             self._fail(e)
             return
@@ -211,7 +250,7 @@ class Reservation:
             st.set_down(e, 0.0)
             return
         e.next, e.pending, e.requested_s = nxt, True, st.now
-        st.send(nxt, FlowRequest(e.origin, e.flow_id, e.up_s))
+        st.send(nxt, FlowRequest(e.origin, e.flow_id, e.up_s, e.claim))
 
     def _fail(self, e: FlowEntry) -> None:
         """No next hop for `e`: release it and tell upstream (refusal, or push back if it was live)."""

@@ -145,6 +145,7 @@ class FlowEntry:
     requested_s: float = 0.0
     check_fails: int = 0
     renamed_from: tuple[NodeId, int] | None = None  # data holder: the name it had before I adopted it
+    claim: bool = False  # pending reservation that may take a full relay's slot (routing.moves.Claim)
 
     @property
     def key(self) -> FlowKey:
