@@ -193,7 +193,7 @@ class FlowConfig:
     anneal_reheat: float = 0.5  # on crash / join / link change: T <- max(T, reheat * T0)
     anneal_tournament: int = 3  # peers sampled per move; the one showing the dearest route is asked
     anneal_swap_next: bool = False  # also try swapping next hops (whole tails) of same-origin flows
-    anneal_claim: bool = True  # blocked data holders claim full relays' slots from costlier routes
+    anneal_claim: bool = False  # blocked data holders claim full relays' slots from costlier routes (opt-in: docs/flow-protocol.md "Claims")
     claim_margin: float = 0.02  # a claim releases a route only if it costs > (1 + this) x the new one
     cooldown_ticks: int = 5  # a same-stage peer just interacted with is left alone this long
     stable_s: float = 2.0  # a flow changed more recently than this is not offered for moves

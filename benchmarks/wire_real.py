@@ -1,0 +1,114 @@
+"""What real swarms pay on the wire: fp32 + gather against bf16 + butterfly, in real node processes.
+
+Usage: `python benchmarks/wire_real.py [--iterations 20] [--warmup 3] [--repeat 2] [--preset tiny]
+[--wan geo10] [--regions Oregon,Frankfurt,Tokyo] [--replicas 2]`.
+
+Each arm is a local swarm (`gwtf.runtime.swarm.Swarm`, configs/swarm-test.toml with the demo's
+short timeouts): 2 data holders and 3 stages with `--replicas` replicas each, on loopback with
+WAN emulation between the regions (`runtime.wan`: latency plus size over bandwidth per region
+pair), no churn. The arms differ only in what travels between and within stages:
+- `fp32 + gather`: activations and activation gradients as computed (`wire.activations = "fp32"`),
+  a stage's gradients gathered by one reducer that sends the mean back to every replica
+  (`protocol.reduce = "gather"`, R-1 gradients on its uplink);
+- `bf16 + butterfly`: 2 bytes a value on the wire (`wire.* = "bf16"`), reduce-scatter +
+  all-gather over R parts (`protocol.reduce = "butterfly"`, 2(R-1)/R of a gradient per node).
+The arms alternate (A B A B ...: `--repeat` rounds), so a drift of the machine's load hits both.
+Per arm: tokens/s and seconds per iteration, the median over its runs of each run's median over
+the iterations after `--warmup`; and the ratio bf16/fp32. The machine may be shared: compare
+within one run, and prefer a quiet one (real processes measure wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from gwtf.config import load_config  # noqa: E402
+from gwtf.runtime.swarm import Swarm, SwarmOptions  # noqa: E402
+
+TEST_CONFIG = str(ROOT / "configs" / "swarm-test.toml")
+TIMEOUTS = ("protocol.heartbeat_period_s=0.25", "protocol.suspect_after_s=0.75", "protocol.evict_after_s=1.5",
+            "protocol.deadline_multiplier=4.0", "protocol.deadline_floor_s=1.0",
+            "protocol.mb_deadline_floor_s=20.0", "protocol.retry_period_s=0.2",
+            "protocol.partition_timeout_s=30.0")
+ARMS = {
+    "fp32 + gather": ('wire.activations="fp32"', 'wire.gradients="fp32"', 'protocol.reduce="gather"'),
+    "bf16 + butterfly": ('wire.activations="bf16"', 'wire.gradients="bf16"', 'protocol.reduce="butterfly"'),
+}
+RUN_LIMIT_S = 600.0
+
+
+def run_arm(overrides: tuple[str, ...], regions: tuple[str, ...], replicas: int, iterations: int,
+            out: Path) -> list[dict[str, Any]]:
+    """The metrics rows of one swarm run to `iterations` (no churn)."""
+    cfg = load_config(TEST_CONFIG, list(overrides))
+    opts = SwarmOptions(out_dir=out, replicas=replicas, config_path=TEST_CONFIG, overrides=overrides,
+                        regions=regions)
+    swarm = Swarm(cfg, opts, say=lambda s: None)
+    with swarm:
+        swarm.start()
+        t0 = time.monotonic()
+        while not swarm.complete(iterations):
+            swarm.step()
+            if time.monotonic() - t0 > RUN_LIMIT_S:
+                raise SystemExit(f"swarm: only {swarm.metrics.next_iteration}/{iterations} iterations in "
+                                 f"{RUN_LIMIT_S:.0f} s\n{swarm.log_tails()}")
+            time.sleep(0.05)  # polling period of a bounded wait
+        return list(swarm.metrics.rows)
+
+
+def run_stats(rows: list[dict[str, Any]], warmup: int) -> tuple[float, float]:
+    """(median tokens/s, median seconds per iteration) over the iterations after `warmup`."""
+    kept = rows[warmup:] or rows
+    ends = [float(r["time_s"]) for r in rows]
+    durations = [b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True)][warmup:] or [ends[-1]]
+    return statistics.median(float(r["tokens_per_s"]) for r in kept), statistics.median(durations)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3, help="first iterations left out of each run's median")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds; each runs every arm once")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--wan", default="geo10")
+    ap.add_argument("--regions", default="Oregon,Frankfurt,Tokyo")
+    ap.add_argument("--replicas", type=int, default=2)
+    args = ap.parse_args()
+    if args.iterations <= args.warmup:
+        raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup ({args.warmup})")
+    base = (*TIMEOUTS, f'model.preset="{args.preset}"', "model.seq_len=128", "model.microbatch_size=4",
+            "train.microbatches=8", "train.iterations=100000", f'runtime.wan="{args.wan}"')
+    regions = tuple(args.regions.split(","))
+    got: dict[str, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.repeat):
+            for arm, extra in ARMS.items():
+                t0 = time.monotonic()
+                rows = run_arm((*base, *extra), regions, args.replicas, args.iterations,
+                               Path(tmp) / f"{rnd}-{arm.split()[0]}")
+                got[arm].append(run_stats(rows, args.warmup))
+                tps, it_s = got[arm][-1]
+                print(f"round {rnd + 1} {arm}: {tps:.0f} tokens/s, {it_s:.3f} s/iteration "
+                      f"({time.monotonic() - t0:.0f} s wall)", file=sys.stderr)
+    print(f"\n{args.preset}, 3 stages x {args.replicas} replicas, 2 data holders, --wan {args.wan} "
+          f"({args.regions}), {args.iterations} iterations ({args.warmup} warm-up) x {args.repeat} rounds, no churn\n")
+    print("| arm | tokens/s (median) | s per iteration (median) | tokens/s vs fp32 + gather |")
+    print("|---|---|---|---|")
+    ref = statistics.median(t for t, _ in got["fp32 + gather"])
+    for arm, runs in got.items():
+        tps = statistics.median(t for t, _ in runs)
+        it_s = statistics.median(s for _, s in runs)
+        print(f"| {arm} | {tps:.0f} | {it_s:.3f} | {tps / ref:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
