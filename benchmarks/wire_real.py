@@ -31,14 +31,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from sim_vs_real import DEMO_TIMEOUTS as TIMEOUTS  # noqa: E402  (benchmarks/ is on sys.path)
+from sim_vs_real import TEST_CONFIG  # noqa: E402
+
 from gwtf.config import load_config  # noqa: E402
 from gwtf.runtime.swarm import Swarm, SwarmOptions  # noqa: E402
 
-TEST_CONFIG = str(ROOT / "configs" / "swarm-test.toml")
-TIMEOUTS = ("protocol.heartbeat_period_s=0.25", "protocol.suspect_after_s=0.75", "protocol.evict_after_s=1.5",
-            "protocol.deadline_multiplier=4.0", "protocol.deadline_floor_s=1.0",
-            "protocol.mb_deadline_floor_s=20.0", "protocol.retry_period_s=0.2",
-            "protocol.partition_timeout_s=30.0")
 ARMS = {
     "fp32 + gather": ('wire.activations="fp32"', 'wire.gradients="fp32"', 'protocol.reduce="gather"'),
     "bf16 + butterfly": ('wire.activations="bf16"', 'wire.gradients="bf16"', 'protocol.reduce="butterfly"'),
