@@ -256,6 +256,7 @@ def optimum_system(routes: Sequence[Route]) -> System:
 
 def run_one(job: Job) -> dict[str, Any]:
     """One run; its row (with plot data when `job.plot_dir` is set)."""
+    from gwtf.flow.load_optimum import load_aware_optimum
     from gwtf.flow.optimum import optimum
     from gwtf.sim.plots import RunPlotData
     from gwtf.sim.scenario import build, load_scenario
@@ -267,9 +268,14 @@ def run_one(job: Job) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if job.system == OPTIMUM:
         t = time.perf_counter()
-        opt = optimum(built[0], time_limit_s=10.0)
-        system = optimum_system(opt.routes)
-        extra = {"optimum_method": opt.method, "optimum_routes": len(opt.routes),
+        if sc.flow.load_aware:  # the optimum of the cost gwtf then routes by
+            lopt = load_aware_optimum(built[0])
+            routes, method = lopt.routes, "load-aware-mcf"
+        else:
+            opt = optimum(built[0], time_limit_s=10.0)
+            routes, method = opt.routes, opt.method
+        system = optimum_system(routes)
+        extra = {"optimum_method": method, "optimum_routes": len(routes),
                  "optimum_wall_s": round(time.perf_counter() - t, 3)}
     else:
         system = get_system(job.system, sc.protocol)

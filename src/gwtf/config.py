@@ -195,6 +195,7 @@ class FlowConfig:
     anneal_swap_next: bool = False  # also try swapping next hops (whole tails) of same-origin flows
     anneal_claim: bool = False  # blocked data holders claim full relays' slots from costlier routes (opt-in: docs/flow-protocol.md "Claims")
     claim_margin: float = 0.02  # a claim releases a route only if it costs > (1 + this) x the new one
+    load_aware: bool = False  # price queueing: a node carrying k flows costs compute x (k+1)/2 (flow.cost.queue_factor; announced with flow.load)
     cooldown_ticks: int = 5  # a same-stage peer just interacted with is left alone this long
     stable_s: float = 2.0  # a flow changed more recently than this is not offered for moves
     check_every_ticks: int = 15  # consistency check of every flow with its neighbours

@@ -35,6 +35,15 @@ def edge_cost_s(
     )
 
 
+def queue_factor(load: int) -> float:
+    """Load-aware cost (issue 17, `flow.load_aware`): a GPU serves the microbatches of the k flows
+    it carries one at a time, so a microbatch there takes its compute time plus, on average, half
+    of the others' when the flows' microbatches arrive together: c * (k + 1) / 2 (k >= 1; an idle
+    node prices the first flow at c). Summed over a node's flows this is c * k (k + 1) / 2, convex
+    in k: the k-th flow adds c * k (`flow.optimum.load_aware_optimum` prices it so)."""
+    return (max(load, 1) + 1) / 2.0
+
+
 def route_cost_s(route: Sequence[str], edge_cost: Callable[[str, str], float]) -> float:
     """Cost of the cycle route[0] -> route[1] -> ... -> route[-1] -> route[0]."""
     total = 0.0

@@ -28,6 +28,7 @@ from typing import Any, assert_never
 
 from gwtf.config import FlowConfig
 from gwtf.flow.instance import Instance, NodeSpec, Route
+from gwtf.flow.load_optimum import load_route_costs
 from gwtf.protocol.base import CancelTimer, Message, NodeId, RouterEffect, Send, SetTimer
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 from gwtf.protocol.routing import FlowAgent
@@ -134,6 +135,8 @@ class RoutingSim:
         )
 
     def _max_cost(self, routes: list[Route]) -> float:
+        if self.cfg.load_aware:  # the cost the nodes route by: it depends on every route's load
+            return max(load_route_costs(self.instance, routes), default=0.0)
         cache = self._route_cost
         best = 0.0
         for r in routes:

@@ -26,6 +26,7 @@ from gwtf.config import FlowConfig
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.router import FlowSlot, LinkEstimate, PeerInfo
 from gwtf.protocol.routing.anneal import Annealer
+from gwtf.protocol.routing.messages import FlowLoad
 from gwtf.protocol.routing.reserve import Reservation
 from gwtf.protocol.routing.state import INF, FlowState
 
@@ -40,7 +41,7 @@ class FlowAgent:
         self.anneal = Annealer(self.state)
         self.reservation = Reservation(self.state, claims=self.anneal.claim)
         self._handlers: dict[type[Message], Callable[[NodeId, Any], None]] = {
-            **self.reservation.handlers(), **self.anneal.handlers()}
+            **self.reservation.handlers(), **self.anneal.handlers(), FlowLoad: self._on_load}
 
     # ----------------------------------------------------------------------------- Router API
 
@@ -50,19 +51,21 @@ class FlowAgent:
         st.tick_at = now + st.rng.uniform(0.0, st.cfg.tick_s)
         st.timer(("flow", "tick"), st.tick_at)
         st.dirty = True
-        return st.flush()
+        return self._flush()
 
     def on_peer_up(self, info: PeerInfo, link: LinkEstimate, now: float) -> list[Any]:
         st = self.state
         st.now = now
         st.add_peer(info, link)
+        if st.cfg.load_aware and st.load_level and info.id in st.load_peers():
+            st.send(info.id, FlowLoad(st.load_level))  # a new neighbour has not heard my load
         early = st.early_adverts.pop(info.id, None)
         if early is not None and info.id in st.next_peers:
             self.reservation.on_advert(info.id, early)
         if info.stage == st.prev_stage and info.id != st.me.id:
             st.advertised = None  # a new upstream peer must hear our costs
         self.anneal.reheat()
-        return st.flush()
+        return self._flush()
 
     def on_peer_down(self, peer: NodeId, now: float) -> list[Any]:
         st = self.state
@@ -72,14 +75,14 @@ class FlowAgent:
         self.reservation.on_peer_down(peer)
         self.anneal.on_peer_down(peer)
         self.anneal.reheat()
-        return st.flush()
+        return self._flush()
 
     def on_link_update(self, peer: NodeId, link: LinkEstimate, now: float) -> list[Any]:
         st = self.state
         st.now = now
         if st.update_link(peer, link):
             self._repriced(peer)
-        return st.flush()
+        return self._flush()
 
     def on_compute_update(self, peer: NodeId, compute_s: float, now: float) -> list[Any]:
         """A measured compute time (mine when `peer` is me): edge costs, the flows through those
@@ -88,10 +91,37 @@ class FlowAgent:
         st.now = now
         if st.update_compute(peer, compute_s):
             self._repriced(None if peer == st.me.id else peer)
+        return self._flush()
+
+    # ------------------------------------------------------------------ load (flow.load_aware)
+
+    def _on_load(self, sender: NodeId, msg: FlowLoad) -> None:
+        if self.state.set_peer_load(sender, msg.load):
+            self._repriced(sender, reheat=False)
+
+    def _flush(self) -> list[Any]:
+        """The effects so far; with `flow.load_aware`, first announce my load if it changed
+        (at most once per `advert_interval_s`: later changes wait for the ("flow", "load") timer)."""
+        st = self.state
+        carried = st.carried if st.cfg.load_aware else 0
+        if st.cfg.load_aware and carried != st.load_level:
+            due = st._last_load_s + st.cfg.advert_interval_s
+            if st.now >= due:
+                st._last_load_s = st.now
+                st.load_level = carried
+                st.reprice_all()
+                self._repriced(None, reheat=False)
+                msg = FlowLoad(carried)
+                for pid in st.load_peers():
+                    st.send(pid, msg)
+            elif not st.load_timer_set:
+                st.load_timer_set = True
+                st.timer(("flow", "load"), due)
         return st.flush()
 
-    def _repriced(self, peer: NodeId | None) -> None:
-        """The edge to `peer` (every edge: None) changed cost: the flows over it take it up."""
+    def _repriced(self, peer: NodeId | None, reheat: bool = True) -> None:
+        """The edge to `peer` (every edge: None) changed cost: the flows over it take it up.
+        `reheat`: annealing warms up again (not for a load change, which moves themselves cause)."""
         st = self.state
         for e in st.flows.values():
             if e.pending:
@@ -100,7 +130,8 @@ class FlowAgent:
                 st.set_down(e, e.down_next_s)
             if (peer is None or e.prev == peer) and not st.is_dh:
                 st.set_up(e, e.up_prev_s)
-        self.anneal.reheat()
+        if reheat:
+            self.anneal.reheat()
 
     def on_message(self, sender: NodeId, msg: Message, now: float) -> list[Any]:
         st = self.state
@@ -109,7 +140,7 @@ class FlowAgent:
         if handler is not None:
             st.messages_in += 1
             handler(sender, msg)
-        return st.flush()
+        return self._flush()
 
     def on_timer(self, key: tuple[Any, ...], now: float) -> list[Any]:
         st = self.state
@@ -123,7 +154,9 @@ class FlowAgent:
         elif key == ("flow", "advert"):
             st.advert_timer_set = False
             st.dirty = True
-        return st.flush()
+        elif key == ("flow", "load"):
+            st.load_timer_set = False
+        return self._flush()
 
     def set_me(self, me: PeerInfo) -> None:
         """A flow agent is rebuilt (`router_factory`) when its node changes stage."""

@@ -149,7 +149,7 @@ class Annealer:
         )
         self.busy = None
         self._cool(sender)
-        move = self.best_move(msg)
+        move = self.best_move(msg, sender)
         t = self.temperature_s
         self.temperature_s *= st.cfg.anneal_cooling
         if move is None or abs(move.delta_s) <= COST_EPS_S:
@@ -159,7 +159,7 @@ class Annealer:
                 return
         self.propose(sender, msg, move)
 
-    def best_move(self, msg: FlowTable) -> Choice | None:
+    def best_move(self, msg: FlowTable, sender: NodeId = "") -> Choice | None:
         """The best move any strategy finds in a peer's table (ties: the first in table order)."""
         st = self.state
         links_b = dict(zip(msg.link_nodes, msg.link_costs_s))
@@ -174,7 +174,7 @@ class Annealer:
             outer_b = msg.up_prev_s[i] + msg.down_next_s[i]
             rows.append((i, outer_b + msg.link_prev_s[i] + msg.link_next_s[i], outer_b + a_prev + a_next))
         spare = st.spare() if not st.is_dh or self._dh_blocked() else 0
-        offer = Offer(msg, links_b, own, rows, spare)
+        offer = Offer(msg, links_b, own, rows, spare, st.redirect_adjust_s(sender))
         found = [c for c in (m.best(offer) for m in self.moves) if c is not None]
         best = None
         for c in sorted(found, key=lambda c: c.order):

@@ -43,6 +43,21 @@ class FlowAdvert(Message):
 
 @message
 @dataclass(frozen=True, slots=True)
+class FlowLoad(Message):
+    """`flow.load_aware`: the flows I carry now (reserved or established), to my previous, same and
+    next-stage peers, which price my compute with it (`flow.cost.queue_factor`); at most one per
+    `advert_interval_s`."""
+
+    TYPE = "flow.load"
+    load: int
+
+    def validate(self) -> None:
+        if not 0 <= self.load <= 1_000_000:
+            raise ValueError(f"load {self.load} not in [0, 1000000]")
+
+
+@message
+@dataclass(frozen=True, slots=True)
 class FlowRequest(Message):
     """Reserve one slot of flow (origin, flow_id) at the receiver; `up_s` is the sender's cost so far.
 

@@ -110,6 +110,7 @@ class Offer:
     own: list[tuple[FlowEntry, float, float]]  # my movable flows, with the peer's d(prev), d(next)
     rows: list[tuple[int, float, float]]  # (row, its route cost, its cost were it mine), rows I could host
     spare: int  # flows I could take without giving one
+    redirect_adjust_s: float = 0.0  # `flow.load_aware`: added to a redirect's gain (FlowState.redirect_adjust_s)
 
 
 class Move(Protocol):
@@ -162,8 +163,10 @@ class Redirect:
             return None
         kind = "yield" if self.anneal.state.is_dh else "redirect"
         best: Candidate | None = None
+        adjust = offer.redirect_adjust_s
         for i, c_b, c_b_new in offer.rows:
-            best = _pick(best, (0, i, 0, 0), (c_b - c_b_new, c_b - c_b_new), kind, i, None)
+            gain = c_b - c_b_new + adjust
+            best = _pick(best, (0, i, 0, 0), (gain, gain), kind, i, None)
         return best
 
     def propose(self, busy: Busy, msg: FlowTable, choice: Choice) -> FlowPropose:
@@ -204,6 +207,9 @@ class Exchange:
 
     def best(self, offer: Offer) -> Candidate | None:
         up_prev = self.anneal.up_prev
+        # flow.load_aware: the sum first (redirects score by it too), so every move lowers one
+        # potential (the load-aware sum) and moves cannot cycle; the max breaks ties
+        by_sum = self.anneal.state.cfg.load_aware
         best: Candidate | None = None
         for i, c_b, c_b_new in offer.rows:
             for j, (e, b_prev, b_next) in enumerate(offer.own):
@@ -212,6 +218,8 @@ class Exchange:
                 c_a = e.up_s + e.down_s
                 c_a_new = up_prev(e) + b_prev + b_next + e.down_next_s
                 score = (max(c_a, c_b) - max(c_a_new, c_b_new), c_a + c_b - c_a_new - c_b_new)
+                if by_sum:
+                    score = (score[1], score[0])
                 best = _pick(best, (0, i, 1, j), score, "exchange", i, e)
         return best
 

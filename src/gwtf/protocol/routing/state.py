@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from gwtf.config import FlowConfig
-from gwtf.flow.cost import edge_cost_s
+from gwtf.flow.cost import edge_cost_s, queue_factor
 from gwtf.protocol.base import IdentityMemo, Message, NodeId, Send, SetTimer
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 from gwtf.protocol.routing.messages import INF_COST_S, FlowAdvert, FlowCancel, FlowCost, FlowSwitch
@@ -77,6 +77,7 @@ class Neighbour:
     link: LinkEstimate
     cost_s: float  # d(me, peer), the edge cost of the flow model
     has_capacity: bool = True
+    load: int = 0  # the flows it carries, as it last announced (flow.load; `flow.load_aware` only)
     vec: tuple[tuple[str, ...], tuple[float, ...]] | None = None  # its last advert: targets, costs
     adv_dict: dict[NodeId, float] | None = None  # vec as a dict, when built
 
@@ -203,6 +204,9 @@ class FlowState:
         # _current_costs' tables per target tuple, and the next peers that advertised since
         self._tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]] = {}
         self.fresh_adverts: set[NodeId] = set()
+        self.load_level = 0  # the load my edge costs use and my peers last heard (flow.load_aware)
+        self._last_load_s = -INF
+        self.load_timer_set = False
 
     # ------------------------------------------------------------------------------ effects
 
@@ -280,7 +284,7 @@ class FlowState:
             nb = table.get(peer)
             if nb is not None:
                 nb.link = link
-                nb.cost_s = self._edge_cost(nb.info, link)
+                nb.cost_s = self._edge_cost(nb.info, link, nb.load)
                 found = True
         self.dirty = self.costs_dirty = found
         return found
@@ -298,14 +302,75 @@ class FlowState:
                     nb.info = replace(nb.info, compute_s=compute_s)
                 elif not mine:
                     continue
-                nb.cost_s = self._edge_cost(nb.info, nb.link)
+                nb.cost_s = self._edge_cost(nb.info, nb.link, nb.load)
                 found = True
         self.dirty = self.costs_dirty = found
         return found
 
-    def _edge_cost(self, info: PeerInfo, link: LinkEstimate) -> float:
+    def _edge_cost(self, info: PeerInfo, link: LinkEstimate, load: int = 0) -> float:
         lat, bw = link.latency_s, link.bandwidth_bytes_per_s
-        return edge_cost_s(self.me.compute_s, info.compute_s, lat, lat, bw, bw, self.activation_bytes)
+        c_me, c_peer = self.me.compute_s, info.compute_s
+        if self.cfg.load_aware:
+            c_me *= queue_factor(self.load_level)
+            c_peer *= queue_factor(load)
+        return edge_cost_s(c_me, c_peer, lat, lat, bw, bw, self.activation_bytes)
+
+    def set_peer_load(self, peer: NodeId, load: int) -> bool:
+        """`peer` announced the flows it carries: re-price my edges to it; False if unknown or unchanged."""
+        found = False
+        for table in (self.prev_peers, self.same_peers, self.next_peers):
+            nb = table.get(peer)
+            if nb is not None and nb.load != load:
+                nb.load = load
+                nb.cost_s = self._edge_cost(nb.info, nb.link, load)
+                found = True
+        if found:
+            self.dirty = self.costs_dirty = True
+        return found
+
+    def reprice_all(self) -> None:
+        """My own announced load changed: every edge of mine takes it up."""
+        for table in (self.prev_peers, self.same_peers, self.next_peers):
+            for nb in table.values():
+                nb.cost_s = self._edge_cost(nb.info, nb.link, nb.load)
+        self.dirty = self.costs_dirty = True
+
+    def take_extra_s(self) -> float:
+        """`flow.load_aware`: a flow I take on top of my load pays my compute at the next queue
+        place, while my edge costs price me at the load my peers heard (`load_level`). Its
+        route passes me once (half my compute on each of its two edges here)."""
+        if not self.cfg.load_aware:
+            return 0.0
+        return self.me.compute_s * (queue_factor(self.carried + 1) - queue_factor(self.load_level))
+
+    @property
+    def carried(self) -> int:
+        """Established flows: the ones whose microbatches queue on my GPU (`flow.load_aware`'s
+        load; reservations under way and slots held for a move are not traffic yet)."""
+        return sum(1 for e in self.flows.values() if not e.pending)
+
+    def redirect_adjust_s(self, peer: NodeId) -> float:
+        """`flow.load_aware`: a redirect (I take one of `peer`'s flows into my spare capacity)
+        changes both loads, so it is scored by the change of the load-aware sum, whose node
+        part c k (k + 1) / 2 (flow.load_optimum) makes it: the moved route's link change, plus
+        c_peer k_peer saved there, minus c_me (k_me + 1) added here. The row costs price both of
+        us at our announced loads; this is what turns their difference into that change. With
+        every redirect lowering that sum, redirects cannot cycle."""
+        nb = self.same_peers.get(peer)
+        if not self.cfg.load_aware or nb is None:
+            return 0.0
+        c_b, k_b = nb.info.compute_s, nb.load
+        c_a = self.me.compute_s
+        return (c_b * (k_b - queue_factor(k_b)) + c_a * queue_factor(self.load_level)
+                - c_a * (self.carried + 1))
+
+    def load_peers(self) -> list[NodeId]:
+        """Who prices my compute: my previous, same and next-stage peers (each once, in order)."""
+        seen: dict[NodeId, None] = {}
+        for table in (self.prev_peers, self.same_peers, self.next_peers):
+            for pid in table:
+                seen[pid] = None
+        return list(seen)
 
     def link_s(self, peer: NodeId) -> float:
         """d(me, peer) for a prev- or next-stage peer; inf when unknown."""
@@ -498,6 +563,9 @@ class FlowState:
             return
         self._last_advert_s = self.now
         targets, costs = self.cost_vector()
+        extra = self.take_extra_s()
+        if extra > 0.0:  # flow.load_aware: a new flow takes my next queue place
+            costs = tuple(c + extra for c in costs)
         state = (targets, costs, self.has_capacity())
         if state == self.advertised or self._within_tolerance(state):
             return
