@@ -439,3 +439,15 @@ def test_an_annealing_proposal_of_an_unknown_move_kind_is_refused() -> None:
     for kind in sorted(MOVE_KINDS):
         ok = FlowPropose(kind, "d0", 1, "a", "b")
         assert_same(decode_all(encode_bytes(ok, [])), ok, [])
+
+
+def test_flow_load_out_of_range_is_refused() -> None:
+    """A negative or absurd load (flow.load_aware prices a peer's compute by it) is refused at
+    decode, naming the type."""
+    from gwtf.protocol.routing.messages import FlowLoad
+
+    for load in (-1, 10**7):
+        with pytest.raises(WireError, match="flow.load"):
+            decode_all(encode_bytes(FlowLoad(load), []))
+    ok = FlowLoad(18)
+    assert_same(decode_all(encode_bytes(ok, [])), ok, [])
