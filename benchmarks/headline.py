@@ -26,8 +26,10 @@ The grid (`grid_cells`): model family x churn x regime x GPU mix, 2 x 4 x 3 x 3 
   optimum of the routing objective (max flow, then min-max route cost), not of iteration time:
   it models no queueing of several microbatches on one GPU and no stage moves, so a system can
   exceed 1.0 of it (gwtf's and SWARM's stage moves change the instance it was solved on; the
-  compute-bound uniform cells stack microbatches). TODO(optimum-upper-bound): a true upper bound
-  needs the optimum over stage assignments too (or the routes re-solved after every move).
+  compute-bound uniform cells stack microbatches). With `--set flow.load_aware=true` the replay
+  follows the load-aware optimum instead (`gwtf.flow.load_optimum`: convex node costs, the
+  cost gwtf then routes by). TODO(optimum-upper-bound): a true upper bound needs the optimum
+  over stage assignments too (or the routes re-solved after every move).
 
 Every run of a (cell, seed) pair uses the same generated instance and the same churn trace
 (drawn from the scenario seed before any system-specific event). Per cell and system: median

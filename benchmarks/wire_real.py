@@ -1,7 +1,7 @@
 """What real swarms pay on the wire: fp32 + gather against bf16 + butterfly, in real node processes.
 
 Usage: `python benchmarks/wire_real.py [--iterations 20] [--warmup 3] [--repeat 2] [--preset tiny]
-[--wan geo10] [--regions Oregon,Frankfurt,Tokyo] [--replicas 2]`.
+[--wan geo10] [--regions Oregon,Frankfurt,Tokyo] [--replicas 2] [--arms "fp32 + gather,bf16 + butterfly"]`.
 
 Each arm is a local swarm (`gwtf.runtime.swarm.Swarm`, configs/swarm-test.toml with the demo's
 short timeouts): 2 data holders and 3 stages with `--replicas` replicas each, on loopback with
@@ -11,10 +11,11 @@ pair), no churn. The arms differ only in what travels between and within stages:
   a stage's gradients gathered by one reducer that sends the mean back to every replica
   (`protocol.reduce = "gather"`, R-1 gradients on its uplink);
 - `bf16 + butterfly`: 2 bytes a value on the wire (`wire.* = "bf16"`), reduce-scatter +
-  all-gather over R parts (`protocol.reduce = "butterfly"`, 2(R-1)/R of a gradient per node).
+  all-gather over R parts (`protocol.reduce = "butterfly"`, 2(R-1)/R of a gradient per node);
+- `bf16 + gather` and `fp32 + butterfly`: each change alone, so the table says which one pays.
 The arms alternate (A B A B ...: `--repeat` rounds), so a drift of the machine's load hits both.
 Per arm: tokens/s and seconds per iteration, the median over its runs of each run's median over
-the iterations after `--warmup`; and the ratio bf16/fp32. The machine may be shared: compare
+the iterations after `--warmup`; and its ratio to fp32 + gather. The machine may be shared: compare
 within one run, and prefer a quiet one (real processes measure wall time).
 """
 
@@ -40,7 +41,10 @@ from gwtf.runtime.swarm import Swarm, SwarmOptions  # noqa: E402
 ARMS = {
     "fp32 + gather": ('wire.activations="fp32"', 'wire.gradients="fp32"', 'protocol.reduce="gather"'),
     "bf16 + butterfly": ('wire.activations="bf16"', 'wire.gradients="bf16"', 'protocol.reduce="butterfly"'),
+    "bf16 + gather": ('wire.activations="bf16"', 'wire.gradients="bf16"', 'protocol.reduce="gather"'),
+    "fp32 + butterfly": ('wire.activations="fp32"', 'wire.gradients="fp32"', 'protocol.reduce="butterfly"'),
 }
+"""The two shipped settings, then each change alone (which of the two costs or pays)."""
 RUN_LIMIT_S = 600.0
 
 
@@ -80,16 +84,20 @@ def main() -> None:
     ap.add_argument("--wan", default="geo10")
     ap.add_argument("--regions", default="Oregon,Frankfurt,Tokyo")
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of arms (default all: {', '.join(ARMS)})")
     args = ap.parse_args()
+    arms = {a.strip(): ARMS[a.strip()] for a in args.arms.split(",") if a.strip() in ARMS}
+    if "fp32 + gather" not in arms:
+        raise SystemExit(f"--arms must include 'fp32 + gather' (the reference); known: {', '.join(ARMS)}")
     if args.iterations <= args.warmup:
         raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup ({args.warmup})")
     base = (*TIMEOUTS, f'model.preset="{args.preset}"', "model.seq_len=128", "model.microbatch_size=4",
             "train.microbatches=8", "train.iterations=100000", f'runtime.wan="{args.wan}"')
     regions = tuple(args.regions.split(","))
-    got: dict[str, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
+    got: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.repeat):
-            for arm, extra in ARMS.items():
+            for arm, extra in arms.items():
                 t0 = time.monotonic()
                 rows = run_arm((*base, *extra), regions, args.replicas, args.iterations,
                                Path(tmp) / f"{rnd}-{arm.split()[0]}")

@@ -11,6 +11,7 @@ same weights as the replica it joined.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,18 @@ def test_a_lopsided_swarm_moves_a_relay_to_the_bottleneck_stage(tmp_path: Path, 
         steps = set(step_hashes().values())
         assert len(steps) == 1, steps  # the mover and stage 2's replica hold the same weights
         assert len(moves) == 1, moves  # balanced after one move: no back-and-forth
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_load_aware_routing_trains_over_tcp_under_high_churn(tmp_path: Path) -> None:
+    """`flow.load_aware` (issue 17) in real processes: its `flow.load` announcements cross the
+    wire (codec, validation, authentication) between every neighbouring stage, and a swarm routing
+    by the load-aware cost trains through `--churn high` with the short timeouts, clean ledger,
+    every joiner serving; no node refused a `flow.load`."""
+    swarm_dir = tmp_path / "la"
+    high_churn_run(swarm_dir, ("flow.load_aware=true", "train.seed=5"))
+    refused = [r for f in swarm_dir.glob("swarm/nodes/*/records.jsonl") for r in map(json.loads, f.read_text().splitlines())
+               if r.get("event") == "message_refused" and "flow.load" in json.dumps(r)]
+    assert list(swarm_dir.glob("swarm/nodes/*/records.jsonl")), "no node records to check"
+    assert not refused, refused[:3]
