@@ -428,3 +428,30 @@ def test_a_blocked_data_holder_claims_the_bottleneck_from_a_costlier_route(claim
     assert all(len(h.agents[d].state.flows) == int(route[0] == d) for d in ("dh", "far"))
     assert not any(e.locked for a in h.agents.values() for e in a.state.flows.values())
     assert not any(a.anneal.claim.probes for a in h.agents.values())
+
+
+@pytest.mark.parametrize("aware", [False, True])
+def test_load_aware_spreads_flows_and_every_peer_knows_each_relays_load(aware: bool) -> None:
+    """Relays of 1 s compute (queueing dominates the links): priced by the paper's cost, all 4
+    routes take the cheap relays r*a; with `flow.load_aware` both relays of a stage carry some.
+    After settling, every neighbour's view of a relay's load (its `flow.load` announcements) is
+    the number of flows the relay carries."""
+    nodes = [NodeSpec("dh", 0, "a", "x", 0.01, 8, 4)]
+    for k in (1, 2):
+        nodes += [NodeSpec(f"r{k}a", k, "a", "x", 1.0, 4), NodeSpec(f"r{k}b", k, "b", "x", 1.0, 4)]
+    inst = Instance(nodes=tuple(nodes), stages=3, network=NET, activation_bytes=1_000_000)
+    h = Harness(inst, seed=1, cfg=FlowConfig(load_aware=aware))
+    h.run(120.0)
+    routes = h.routes()
+    assert len(routes) == 4
+    evaluate_routes(inst, routes)
+    through = {n.id: sum(n.id in r for r in routes) for n in nodes if n.stage > 0}
+    if not aware:
+        assert through["r1b"] == through["r2b"] == 0, through
+        return
+    assert all(v >= 1 for v in through.values()), through
+    for nid, agent in h.agents.items():
+        for table in (agent.state.prev_peers, agent.state.same_peers, agent.state.next_peers):
+            for pid, nb in table.items():
+                if pid in through:
+                    assert nb.load == through[pid], (nid, pid, nb.load, through[pid])
