@@ -105,9 +105,9 @@ class FlowAgent:
         st = self.state
         carried = st.carried if st.cfg.load_aware else 0
         if st.cfg.load_aware and carried != st.load_level:
-            due = st._last_load_s + st.cfg.advert_interval_s
+            due = st.last_load_s + st.cfg.advert_interval_s
             if st.now >= due:
-                st._last_load_s = st.now
+                st.last_load_s = st.now
                 st.load_level = carried
                 st.reprice_all()
                 self._repriced(None, reheat=False)

@@ -205,7 +205,7 @@ class FlowState:
         self._tables: dict[tuple[str, ...], tuple[tuple[NodeId, ...], dict[NodeId, int], Any]] = {}
         self.fresh_adverts: set[NodeId] = set()
         self.load_level = 0  # the load my edge costs use and my peers last heard (flow.load_aware)
-        self._last_load_s = -INF
+        self.last_load_s = -INF  # when I last announced my load (flow.load_aware)
         self.load_timer_set = False
 
     # ------------------------------------------------------------------------------ effects
