@@ -40,7 +40,7 @@ def queue_factor(load: int) -> float:
     it carries one at a time, so a microbatch there takes its compute time plus, on average, half
     of the others' when the flows' microbatches arrive together: c * (k + 1) / 2 (k >= 1; an idle
     node prices the first flow at c). Summed over a node's flows this is c * k (k + 1) / 2, convex
-    in k: the k-th flow adds c * k (`flow.optimum.load_aware_optimum` prices it so)."""
+    in k: the k-th flow adds c * k (`flow.load_optimum.load_aware_optimum` prices it so)."""
     return (max(load, 1) + 1) / 2.0
 
 

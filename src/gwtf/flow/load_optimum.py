@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 from ortools.graph.python import min_cost_flow
 
-from gwtf.flow.cost import edge_cost_s, queue_factor
+from gwtf.flow.cost import queue_factor
 from gwtf.flow.instance import Instance, Route, validate_routes
-from gwtf.flow.optimum import max_flow_value
+from gwtf.flow.optimum import max_flow_value, node_limit
 from gwtf.ids import NodeId
 
 _SCALE = 1e6  # integer microseconds
@@ -56,18 +56,7 @@ class LoadOptimum:
 
 def _link_s(instance: Instance, i: NodeId, j: NodeId) -> float:
     """d(i,j) without its compute terms (latency + transfer); inf where there is no link."""
-    a, b = instance.by_id[i], instance.by_id[j]
-    net = instance.network
-    lat_ab, lat_ba = net.latency_s(a.region, b.region), net.latency_s(b.region, a.region)
-    if math.isinf(lat_ab) or math.isinf(lat_ba):
-        return math.inf
-    return edge_cost_s(0.0, 0.0, lat_ab, lat_ba, net.bandwidth_bytes_per_s(a.region, b.region),
-                       net.bandwidth_bytes_per_s(b.region, a.region), instance.activation_bytes)
-
-
-def _limit(instance: Instance, nid: NodeId) -> int:
-    n = instance.by_id[nid]
-    return min(n.demand, n.capacity) if n.is_data_holder else n.capacity
+    return instance.edge_cost_s(i, j) - (instance.by_id[i].compute_s + instance.by_id[j].compute_s) / 2.0
 
 
 def load_route_costs(instance: Instance, routes: Sequence[Route]) -> list[float]:
@@ -105,13 +94,13 @@ def load_aware_optimum(instance: Instance, flow: int | None = None) -> LoadOptim
     slot_arcs: list[tuple[int, NodeId]] = []  # arc -> the node whose slot it is
     for h in dhs:
         c = instance.by_id[h].compute_s
-        for m in range(1, _limit(instance, h) + 1):
+        for m in range(1, node_limit(instance, h) + 1):
             slot_arcs.append((arc(src, node("out", h), 1, c * m), h))
-        arc(node("in", h), sink, _limit(instance, h), 0.0)
+        arc(node("in", h), sink, node_limit(instance, h), 0.0)
     for k in range(1, S):
         for j in instance.by_stage[k]:
             c = instance.by_id[j].compute_s
-            for m in range(1, _limit(instance, j) + 1):
+            for m in range(1, node_limit(instance, j) + 1):
                 slot_arcs.append((arc(node("in", j), node("out", j), 1, c * m), j))
     hop_arcs: list[tuple[int, NodeId, NodeId]] = []
     for k in range(S):

@@ -84,7 +84,8 @@ class ClassGraph:
         return float(sum(self.cost[k][path[k], path[(k + 1) % s]] for k in range(s)))
 
 
-def _node_limit(instance: Instance, nid: NodeId) -> int:
+def node_limit(instance: Instance, nid: NodeId) -> int:
+    """Routes a node may carry: its capacity; a data holder also no more than its demand."""
     spec = instance.by_id[nid]
     return min(spec.demand, spec.capacity) if spec.is_data_holder else spec.capacity
 
@@ -96,11 +97,11 @@ def class_graph(instance: Instance) -> ClassGraph:
     for stage_ids in instance.by_stage:
         groups: dict[tuple[str, float], list[NodeId]] = {}
         for nid in stage_ids:
-            if _node_limit(instance, nid) > 0:
+            if node_limit(instance, nid) > 0:
                 spec = instance.by_id[nid]
                 groups.setdefault((spec.region, spec.compute_s), []).append(nid)
         members.append(tuple(tuple(g) for g in groups.values()))
-        caps.append(np.array([sum(_node_limit(instance, n) for n in g) for g in groups.values()], np.int64))
+        caps.append(np.array([sum(node_limit(instance, n) for n in g) for g in groups.values()], np.int64))
     s = instance.stages
     cost = []
     for k in range(s):
@@ -113,7 +114,7 @@ def class_graph(instance: Instance) -> ClassGraph:
 
 def split_to_routes(instance: Instance, graph: ClassGraph, groups: dict[ClassPath, int]) -> list[Route]:
     """Hand each class path's multiplicity to concrete nodes of its classes, in id order."""
-    residual = {nid: _node_limit(instance, nid) for stage in graph.members for cls in stage for nid in cls}
+    residual = {nid: node_limit(instance, nid) for stage in graph.members for cls in stage for nid in cls}
     cursor: dict[tuple[int, int], int] = {}
     routes: list[Route] = []
     for path in sorted(groups):

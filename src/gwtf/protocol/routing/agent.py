@@ -57,7 +57,7 @@ class FlowAgent:
         st = self.state
         st.now = now
         st.add_peer(info, link)
-        if st.cfg.load_aware and st.load_level and info.id in st.load_peers():
+        if st.cfg.load_aware and st.load_level and any(info.id in t for t in (st.prev_peers, st.same_peers, st.next_peers)):
             st.send(info.id, FlowLoad(st.load_level))  # a new neighbour has not heard my load
         early = st.early_adverts.pop(info.id, None)
         if early is not None and info.id in st.next_peers:
@@ -103,8 +103,7 @@ class FlowAgent:
         """The effects so far; with `flow.load_aware`, first announce my load if it changed
         (at most once per `advert_interval_s`: later changes wait for the ("flow", "load") timer)."""
         st = self.state
-        carried = st.carried if st.cfg.load_aware else 0
-        if st.cfg.load_aware and carried != st.load_level:
+        if st.cfg.load_aware and (carried := st.carried) != st.load_level:
             due = st.last_load_s + st.cfg.advert_interval_s
             if st.now >= due:
                 st.last_load_s = st.now
