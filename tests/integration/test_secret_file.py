@@ -1,7 +1,9 @@
 """`--secret-file` and $GWTF_SWARM_SECRET reach real node processes: nodes started by a
 `ProcessGroup` (as `gwtf swarm` starts them) with a `gwtf secret new` file form a swarm with a
 node given the same secret in the environment; a node holding another secret is refused at its
-join contact's handshake and exits before READY, and the swarm keeps serving."""
+join contact's handshake and exits before READY, and the swarm keeps serving: its data holder's
+iteration advances after the refusal. The swarm is given far more iterations than the test
+watches, so that it cannot finish (and its processes exit 0) while the stranger is refused."""
 
 from __future__ import annotations
 
@@ -15,6 +17,23 @@ from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, Process
 from gwtf.runtime.status import STATUS_FILE, read_status
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "swarm-test.toml")
+
+
+LONG_RUN = ("train.iterations=10000",)  # the swarm must outlive the test; close() kills it
+
+
+def _iteration(proc: NodeProcess) -> int:
+    return int((read_status(proc.dir / STATUS_FILE) or {}).get("iteration") or 0)
+
+
+def _wait_iteration(procs: list[NodeProcess], past: int, timeout_s: float) -> None:
+    """Until procs[0]'s iteration exceeds `past`; every proc must stay alive meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while _iteration(procs[0]) <= past:
+        for p in procs:
+            assert p.alive(), f"{p.name} exited with code {p.popen.poll()}:\n{p.log_tail()}"
+        assert time.monotonic() < deadline, f"{procs[0].name} not past iteration {past} within {timeout_s}s"
+        time.sleep(0.05)  # polling period of a bounded wait
 
 
 def _wait_active(procs: list[NodeProcess], timeout_s: float) -> None:
@@ -35,9 +54,9 @@ def test_secret_file_and_env_secret_join_one_swarm_and_another_secret_is_refused
     keys.write_new_secret(ours)
     keys.write_new_secret(theirs)
     env = {keys.SECRET_ENV: ours.read_text().strip()}
-    with ProcessGroup(tmp_path / "run", CONFIG, secret_file=str(ours)) as group, \
-            ProcessGroup(tmp_path / "run", CONFIG, extra_env=env) as env_group, \
-            ProcessGroup(tmp_path / "run", CONFIG, secret_file=str(theirs)) as stranger:
+    with ProcessGroup(tmp_path / "run", CONFIG, LONG_RUN, secret_file=str(ours)) as group, \
+            ProcessGroup(tmp_path / "run", CONFIG, LONG_RUN, extra_env=env) as env_group, \
+            ProcessGroup(tmp_path / "run", CONFIG, LONG_RUN, secret_file=str(theirs)) as stranger:
         first = group.spawn(NodePlan(name="dh0", role="data-holder", stage="0", shard=0))
         group.wait_ready([first], timeout_s=60)
         bad = stranger.spawn(NodePlan(name="x1", stage="1"), join=first.addr)
@@ -48,4 +67,5 @@ def test_secret_file_and_env_secret_join_one_swarm_and_another_secret_is_refused
         _wait_active([first, r1, r2], timeout_s=60)
         with pytest.raises(NodeStartError, match="x1 exited with code [1-9]"):
             stranger.wait_ready([bad], timeout_s=60)
-        assert first.alive() and r1.alive() and r2.alive()
+        refused_at = _iteration(first)
+        _wait_iteration([first, r1, r2], past=refused_at, timeout_s=60)
