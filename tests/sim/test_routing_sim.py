@@ -282,3 +282,18 @@ def test_load_aware_routing_converges_to_the_load_aware_optimum() -> None:
         sums[aware] = sum(load_route_costs(inst, list(out.routes)))
     assert sums[True] <= 1.03 * bound
     assert sums[False] >= 1.10 * bound
+
+
+@pytest.mark.slow  # about 6 s
+def test_claims_on_geo12_keep_every_route_whole_through_data_holder_trades() -> None:
+    """Regression (issue 17, the rename race of docs/flow-protocol.md "Known gaps"): with claims
+    on, geo12 N=60 seed 3007 stopped a route short (100 of 101): a data holder traded its route
+    away while its first relay was handing the flow over, and the new owner kept the old first
+    hop (tests/unit/protocol/test_flow_agent.py has the mechanism in small)."""
+    from gwtf.flow.optimum import max_flow_value
+
+    seed = 3007
+    inst = generate_instance(60, 6, 6, network="geo12", seed=seed)
+    cfg = FlowConfig(anneal_claim=True)
+    out = RoutingSim(inst, cfg, seed=seed, stop_when="objective").run(600.0, target_flow=max_flow_value(inst))
+    assert evaluate_routes(inst, out.routes).flow == max_flow_value(inst)

@@ -455,3 +455,81 @@ def test_load_aware_spreads_flows_and_every_peer_knows_each_relays_load(aware: b
             for pid, nb in table.items():
                 if pid in through:
                     assert nb.load == through[pid], (nid, pid, nb.load, through[pid])
+
+
+def _walk(h: Harness, origin: NodeId) -> list[Route]:
+    """`origin`'s complete routes, walked hop by hop (each relay must hold the flow under the
+    origin's name with the right prev)."""
+    out: list[Route] = []
+    for key, e in h.agents[origin].state.flows.items():
+        if e.pending or e.next is None:
+            continue
+        route, prev, node = [origin], origin, e.next
+        while node != origin:
+            f = h.agents[node].state.flows.get(key)
+            assert f is not None and f.prev == prev and not f.pending, f"broken flow {key} at {node}"
+            route.append(node)
+            prev, node = node, f.next
+        out.append(tuple(route))
+    return out
+
+
+def test_a_route_traded_between_data_holders_while_its_first_relay_hands_it_over_stays_whole() -> None:
+    """Regression (issue 17, the `yield`/rename race of docs/flow-protocol.md "Known gaps"):
+    dh2 offers its route to dh1 in a data-holder exchange (its entry locked, first hop X); before
+    dh1's accept reaches dh2, X hands the flow to the idle Y (a redirect) and Y's switch reaches
+    dh2 first: dh2's locked entry now says Y, but dh1 adopted the route with first hop X. dh2 then
+    forgot the entry without passing the change on, so dh1 sent its microbatches to X, which no
+    longer held the flow under any name, until the consistency checks (two failures, 15 ticks
+    apart) rebuilt it (`gwtf route --nodes 60 --stages 6 --data-holders 6 --network geo12 --seed
+    3007 --set flow.anneal_claim=true`: flow 100 of 101). Both routes must be whole at once."""
+    cfg = dataclasses.replace(FlowConfig(), anneal_probability=0.0)
+    nodes = [NodeSpec("dh1", 0, "a", "x", 0.01, 8, 1), NodeSpec("dh2", 0, "a", "x", 0.01, 8, 1)]
+    nodes += [NodeSpec(f"r1{c}", 1, "a", "x", 0.05, 1) for c in "abc"]
+    nodes += [NodeSpec(f"r2{c}", 2, "a", "x", 0.05, 1) for c in "ab"]
+    inst = Instance(nodes=tuple(nodes), stages=3, network=NET, activation_bytes=1_000_000)
+    h = Harness(inst, cfg=cfg)
+    h.run(20.0)
+    assert len(_walk(h, "dh1")) == 1 and len(_walk(h, "dh2")) == 1
+    dh1, dh2 = h.agents["dh1"], h.agents["dh2"]
+    (f2,) = dh2.state.flows.values()
+    x = f2.next
+    assert x is not None
+    (y,) = [n for n in ("r1a", "r1b", "r1c") if not h.agents[n].state.flows]
+    held: list[tuple[NodeId, NodeId, Any]] = []  # (to, from, message): the network, by hand
+
+    def sends(src: NodeId, effects: list[Any]) -> list[tuple[NodeId, NodeId, Any]]:
+        return [(eff.to, src, eff.msg) for eff in effects if isinstance(eff, Send)]
+
+    def deliver(to: NodeId, src: NodeId, msg: Any) -> None:
+        held.extend(sends(to, h.agents[to].on_message(src, msg, h.now)))
+
+    def take(to: NodeId, src: NodeId, kind: type) -> Any:
+        (item,) = [m for m in held if m[0] == to and m[1] == src and isinstance(m[2], kind)]
+        held.remove(item)
+        return item[2]
+
+    from gwtf.protocol.routing.messages import FlowPropose, FlowRespond, FlowSwitch
+
+    # Y takes dh2's flow from X: proposal, accept; Y installs it and switches X's neighbours
+    (table,) = [m for _, _, m in sends(x, h.agents[x].on_message(y, FlowQuery(("dh2",)), h.now))]
+    h.agents[y].anneal.propose(x, table, Choice(0.0, "redirect", 0, None))
+    held.extend(sends(y, h.agents[y].state.flush()))
+    deliver(x, y, take(x, y, FlowPropose))
+    deliver(y, x, take(y, x, FlowRespond))
+    switch = take("dh2", y, FlowSwitch)
+    # meanwhile dh2 offers its route (still through X) to dh1, which accepts at once
+    (table,) = [m for _, _, m in sends("dh1", dh1.on_message("dh2", FlowQuery(()), h.now))]
+    dh2.anneal.propose("dh1", table, Choice(0.0, "exchange", 0, f2))
+    held.extend(sends("dh2", dh2.state.flush()))
+    deliver("dh1", "dh2", take("dh1", "dh2", FlowPropose))
+    respond = take("dh2", "dh1", FlowRespond)
+    deliver("dh2", y, switch)  # the switch overtakes the accept (another link, another latency)
+    deliver("dh2", "dh1", respond)
+    for to, src, msg in held:
+        h.inbox[to].append((h.now + DELAY_S, src, msg))
+    h.run(3.0)  # the notices settle; no consistency check is due (15 ticks)
+    routes = _walk(h, "dh1") + _walk(h, "dh2")
+    assert len(routes) == 2
+    through = {nid: sum(nid in r for r in routes) for nid in _relay_flow_counts(h)}
+    assert through == _relay_flow_counts(h)

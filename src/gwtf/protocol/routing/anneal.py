@@ -203,13 +203,15 @@ class Annealer:
         self._by_kind[busy.kind].finish(sender, busy, msg)
 
     def take_route(self, sender: NodeId, busy: Busy, msg: FlowRespond) -> None:
-        """Data holders: the peer's route is mine now (renamed); the one I offered is its."""
+        """Data holders: the peer's route is mine now (renamed); the one I offered is its (it
+        adopted it under its own name, keeping mine as an alias), with what moved meanwhile."""
         st = self.state
         self.adopt(msg.origin, msg.flow_id, msg.prev, msg.next, msg.up_prev_s, msg.down_next_s)
         mine = st.find(*busy.my_key) if busy.my_key is not None else None
         if mine is not None:
             st.forget(mine)
             st.tombstones[mine.key] = (sender, st.now + st.cfg.tombstone_s)
+            self._moved_meanwhile(busy, mine, sender)
 
     def take_flow(self, sender: NodeId, msg: FlowRespond) -> None:
         """Relays: install the peer's flow here and tell its prev and next."""
@@ -229,6 +231,13 @@ class Annealer:
         st.tombstones[mine.key] = (peer, st.now + st.cfg.tombstone_s)
         if mine.key != busy.my_key:  # renamed (yielded to another data holder) meanwhile
             st.send(peer, FlowRekey(*busy.my_key, *mine.key, mine.up_prev_s))
+        self._moved_meanwhile(busy, mine, peer)
+
+    def _moved_meanwhile(self, busy: Busy, mine: FlowEntry, peer: NodeId) -> None:
+        """My offered flow's neighbours as the switches that reached me while it was locked left
+        them: `peer` took it with the ones I offered (a neighbour that handed the flow over
+        meanwhile told me, not `peer`)."""
+        st = self.state
         if mine.prev != busy.my_prev:
             st.send(peer, FlowSwitch(mine.origin, mine.flow_id, "prev", busy.my_prev, mine.prev, mine.up_prev_s))
         if mine.next is not None and mine.next != busy.my_next:
