@@ -300,7 +300,8 @@ def run_one(job: Job) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - t0, 3), "job_wall_s": round(time.perf_counter() - t_job, 3),
         "training_time_s": s["training_time_s"], "finished": s["finished"], "iterations": s["iterations"],
         "throughput_mb_per_s": s["throughput_microbatches_per_s"], "gpu_waste": s["gpu_waste_fraction"],
-        "idle": s["idle_fraction"], "discarded": s["discarded_fraction"], "dropped": s["microbatches_dropped"],
+        "idle": s["idle_fraction"], "discarded": s["discarded_fraction"],
+        "discarded_crashed": s["discarded_crashed_fraction"], "discarded_live": s["discarded_live_fraction"], "dropped": s["microbatches_dropped"],
         "violations": s["invariant_violations"], "crashes": s["crashes"], "moves": s["counters"].get("join", 0),
         "busy_s": s["busy_s"], "discarded_s": s["discarded_s"], "stop_reason": s["stop_reason"], **extra}
     if job.plot_dir:
@@ -434,6 +435,28 @@ def markdown_table(summaries: Sequence[CellSummary], systems: Sequence[str] = SY
     return "\n".join(lines) + "\n"
 
 
+def discarded_table(rows: Sequence[dict[str, Any]], cells: Sequence[Cell],
+                    systems: Sequence[str] = SYSTEMS) -> str:
+    """Discarded compute per cell and system, split by where it ran (median [min, max] over seeds):
+    on nodes that crashed (lost with the GPU) and on live nodes (what recovery redid). Cells whose
+    runs predate the split (cached rows without it) are left out."""
+    head = ["family", "churn /h", "regime", "GPU mix"]
+    for sy in systems:
+        head += [f"{SHORT.get(sy, sy)} discarded", f"{SHORT.get(sy, sy)} on crashed", f"{SHORT.get(sy, sy)} redone"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for cell in cells:
+        got = {sy: [r for r in rows if r["system"] == sy and "discarded_live" in r
+                    and Cell(r["family"], str(r["churn"]), r["regime"], r["mix"]) == cell] for sy in systems}
+        if not all(got.values()):
+            continue
+        cols = [cell.family, cell.churn, cell.regime, cell.mix]
+        for sy in systems:
+            cols += [Spread.of(float(r[k]) for r in got[sy]).fmt(2, 100.0, "%")
+                     for k in ("discarded", "discarded_crashed", "discarded_live")]
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def write_heatmap(summaries: Sequence[CellSummary], path: Path) -> None:
     """gwtf's median training-time reduction vs each SWARM variant: rows family/regime/mix,
     columns churn; red = gwtf slower."""
@@ -551,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
           "(same seed); gwtf vs X: training-time reduction; median [min, max] over seeds")
     table = markdown_table(summaries)
     print(table)
+    split = discarded_table(rows, cells)
+    if split:
+        print("# discarded compute (% of compute done): all, on nodes that crashed, redone on live nodes")
+        print(split)
     if args.table_out:
         Path(args.table_out).write_text(table, encoding="utf-8")
     if args.heatmap and summaries:

@@ -34,6 +34,11 @@ def _check_split(s: dict[str, Any]) -> None:
     assert s["discarded_s"] <= s["busy_s"] and s["idle_s"] + s["busy_s"] <= avail * (1 + 1e-8)
     # the share of the compute of finished iterations: busy_s also holds the unfinished ones
     assert s["discarded_s"] / s["busy_s"] * (1 - 1e-5) <= s["discarded_fraction"] <= 1
+    # split by where the work ran: nodes that crashed, and nodes that recovery made redo work
+    assert min(s["discarded_crashed_s"], s["discarded_live_s"]) >= 0
+    assert math.isclose(s["discarded_crashed_s"] + s["discarded_live_s"], s["discarded_s"], rel_tol=1e-6)
+    assert math.isclose(s["discarded_crashed_fraction"] + s["discarded_live_fraction"], s["discarded_fraction"],
+                        rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("system", ["gwtf", "swarm"])
@@ -62,3 +67,20 @@ def test_the_split_from_known_seconds() -> None:
     assert (s["available_s"], s["busy_s"], s["discarded_s"], s["idle_s"]) == (20.0, 4.0, 3.0, 16.0)
     assert (s["discarded_waste_fraction"], s["idle_fraction"], s["gpu_waste_fraction"]) == (0.15, 0.8, 0.95)
     assert s["discarded_fraction"] == 0.75
+
+
+def test_discarded_work_is_split_by_whether_its_node_crashed() -> None:
+    m = Metrics(tokens_per_microbatch=1)
+    for n in "abc":
+        m.node_up(n, 0.0)
+    m.on_job("a", "fwd", ("a", 0, 0), 2.0)  # iteration 0, never applied: a crashes, b and c do not
+    m.on_job("b", "fwd", ("a", 0, 0), 1.0)
+    m.on_job("c", "fwd", ("a", 0, 0), 0.5)
+    m.node_down("a", 4.0)
+    m.node_crashed("a", 4.0)
+    m.node_down("c", 5.0)  # a graceful leave: its thrown-away work counts as recovery's
+    m.on_record(10.0, "b", "iteration_done", {"iteration": 1, "expected": 1, "round": 0})
+    s = m.summary(end_s=10.0, iterations_target=2)
+    assert (s["discarded_s"], s["discarded_crashed_s"], s["discarded_live_s"]) == (3.5, 2.0, 1.5)
+    assert (s["discarded_crashed_fraction"], s["discarded_live_fraction"]) == (round(2.0 / 3.5, 6), round(1.5 / 3.5, 6))
+    assert s["crashes"] == 1

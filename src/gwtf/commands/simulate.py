@@ -41,6 +41,8 @@ TABLE = (
     ("idle_fraction", "idle GPU time [% of GPU time]", "%"),
     ("discarded_waste_fraction", "discarded GPU time [% of GPU time]", "%"),
     ("discarded_fraction", "discarded compute [% of compute done]", "%"),
+    ("discarded_crashed_fraction", "  of it on crashed nodes [% of compute done]", "%"),
+    ("discarded_live_fraction", "  of it redone by recovery [% of compute done]", "%"),
     ("microbatches_dropped", "microbatches dropped [count]", "n"),
     ("crashes", "crashes [count]", "n"),
     ("recovery_time_mean_s", "recovery time, mean [s]", "s"),

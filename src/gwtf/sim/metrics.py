@@ -9,7 +9,12 @@ Owns: `Metrics`, fed by the simulator with Records, compute jobs and churn event
   iteration); iterations unfinished when the run stops are left out of both;
 - available_s: seconds each active node was alive during the run; idle_s = available - busy;
 - discarded_fraction = discarded_s / busy_s of finished iterations (the share of the compute
-  done that recovery threw away: the paper's "waste"; a summary.json contract, meaning kept);
+  done that recovery threw away: the paper's "waste"; a summary.json contract, meaning kept),
+  split by where the work ran: discarded_crashed_s / _fraction, work of nodes that later crashed
+  (gone with the GPU: no recovery can keep a contribution that never left it), and
+  discarded_live_s / _fraction, work of nodes alive (or gone gracefully) when it was thrown away
+  (rerouted originals, reset duplicates, redone downstream work, rolled-back iterations): what
+  the protocol's recovery costs. The two sum to discarded_s / discarded_fraction;
 - gpu_waste_fraction (a contract too) split in two shares of available_s that sum to it:
   discarded_waste_fraction = discarded_s / available_s and idle_fraction = idle_s /
   available_s (GPUs waiting, mostly for the network).
@@ -48,12 +53,14 @@ class Metrics:
         self.done_times: list[float] = []
         self.microbatches = 0
         self.crash_times: list[float] = []
+        self.crashed: set[str] = set()
         self.join_times: list[float] = []  # a joiner became a member (its "join" record)
         self.alive_since: dict[str, float] = {}
         self.available_s = 0.0
         self.finished_at: float | None = None
         self._applied: set[tuple[int, int, int]] = set()
         self.discarded_s = 0.0
+        self.discarded_crashed_s = 0.0
         self.last_done = -1
         self.started: dict[int, int] = {}
         self._decisions: dict[tuple[int, int, int], dict[str, Any]] = {}
@@ -68,6 +75,15 @@ class Metrics:
         t0 = self.alive_since.pop(node, None)
         if t0 is not None:
             self.available_s += now - t0
+
+    def node_crashed(self, node: str, now: float) -> None:
+        """`node` crashed at `now` (after `node_down`): its unapplied work is the crash's share."""
+        self.crashed.add(node)
+        self.crash_times.append(now)
+
+    def _discard(self, work: dict[tuple[str, tuple[str, int]], float]) -> None:
+        self.discarded_s += sum(work.values())  # summed as before the split: same seconds, same bytes
+        self.discarded_crashed_s += sum(v for (node, _mb), v in work.items() if node in self.crashed)
 
     def on_job(self, node: str, kind: str, mb: tuple[str, int, int] | None, dur_s: float) -> None:
         self.busy_s += dur_s
@@ -109,7 +125,7 @@ class Metrics:
             for it in sorted(i for i in self.started if i >= f["version"]):
                 self.bump("microbatches_dropped", self.started.pop(it))
             for it in sorted(i for i in self.mb_work if i >= f["version"]):
-                self.discarded_s += sum(self.mb_work.pop(it).values())
+                self._discard(self.mb_work.pop(it))
         elif event == R.TRAINING_DONE:
             self.finished_at = now
 
@@ -126,7 +142,7 @@ class Metrics:
                           + self.counters.get("redo_aggregation", 0)})
         self.last_done = it
         # the steps of iteration it-1 are all applied by now: what is left was never used
-        self.discarded_s += sum(self.mb_work.pop(it - 1, {}).values())
+        self._discard(self.mb_work.pop(it - 1, {}))
 
     def summary(self, end_s: float, iterations_target: int) -> dict[str, Any]:
         for node in sorted(self.alive_since):
@@ -134,13 +150,13 @@ class Metrics:
         training_time = self.finished_at if self.finished_at is not None else end_s
         unfinished = 0.0
         for it in sorted(self.mb_work):
-            rest = sum(self.mb_work[it].values())
             if it <= self.last_done:
-                self.discarded_s += rest
+                self._discard(self.mb_work[it])
             else:
-                unfinished += rest
+                unfinished += sum(self.mb_work[it].values())
         self.mb_work.clear()
         discarded = self.discarded_s
+        crashed = min(self.discarded_crashed_s, discarded)
         busy = max(self.busy_s - unfinished, 1e-12)
         idle = max(0.0, self.available_s - self.busy_s)
         avail = self.available_s
@@ -159,6 +175,10 @@ class Metrics:
             "idle_s": _sig(idle, 9),
             "available_s": _sig(avail, 9),
             "discarded_fraction": _sig(discarded / busy, 6),
+            "discarded_crashed_s": _sig(crashed, 9),
+            "discarded_live_s": _sig(discarded - crashed, 9),
+            "discarded_crashed_fraction": _sig(crashed / busy, 6),
+            "discarded_live_fraction": _sig((discarded - crashed) / busy, 6),
             "gpu_waste_fraction": _sig((discarded + idle) / avail, 6) if avail else 0.0,
             "discarded_waste_fraction": _sig(discarded / avail, 6) if avail else 0.0,
             "idle_fraction": _sig(idle / avail, 6) if avail else 0.0,

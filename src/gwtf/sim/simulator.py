@@ -230,7 +230,7 @@ class Simulator:
         self.checker.on_dead(node, now)
         self.metrics.node_down(node, now)
         if crashed:
-            self.metrics.crash_times.append(now)
+            self.metrics.node_crashed(node, now)
 
     def crash(self, node: str) -> None:
         if node in self.cores:
