@@ -1,7 +1,8 @@
 """What real swarms pay on the wire: fp32 + gather against bf16 + butterfly, in real node processes.
 
 Usage: `python benchmarks/wire_real.py [--iterations 20] [--warmup 3] [--repeat 2] [--preset tiny]
-[--wan geo10] [--regions Oregon,Frankfurt,Tokyo] [--replicas 2] [--arms "fp32 + gather,bf16 + butterfly"]`.
+[--seq-len 128] [--microbatch-size 4] [--microbatches 8] [--wan geo10] [--regions Oregon,Frankfurt,Tokyo]
+[--replicas 2] [--arms "fp32 + gather,bf16 + butterfly"]`.
 
 Each arm is a local swarm (`gwtf.runtime.swarm.Swarm`, configs/swarm-test.toml with the demo's
 short timeouts): 2 data holders and 3 stages with `--replicas` replicas each, on loopback with
@@ -36,6 +37,7 @@ from sim_vs_real import DEMO_TIMEOUTS as TIMEOUTS  # noqa: E402  (benchmarks/ is
 from sim_vs_real import TEST_CONFIG  # noqa: E402
 
 from gwtf.config import load_config  # noqa: E402
+from gwtf.errors import UserError  # noqa: E402
 from gwtf.runtime.swarm import Swarm, SwarmOptions  # noqa: E402
 
 ARMS = {
@@ -81,9 +83,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="first iterations left out of each run's median")
     ap.add_argument("--repeat", type=int, default=2, help="rounds; each runs every arm once")
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    ap.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch")
+    ap.add_argument("--microbatches", type=int, default=8, help="microbatches per data holder per iteration")
     ap.add_argument("--wan", default="geo10")
     ap.add_argument("--regions", default="Oregon,Frankfurt,Tokyo")
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="extra config override for every arm (after the demo timeouts: it wins)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of arms (default all: {', '.join(ARMS)})")
     args = ap.parse_args()
     arms = {a.strip(): ARMS[a.strip()] for a in args.arms.split(",") if a.strip() in ARMS}
@@ -91,8 +98,8 @@ def main() -> None:
         raise SystemExit(f"--arms must include 'fp32 + gather' (the reference); known: {', '.join(ARMS)}")
     if args.iterations <= args.warmup:
         raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup ({args.warmup})")
-    base = (*TIMEOUTS, f'model.preset="{args.preset}"', "model.seq_len=128", "model.microbatch_size=4",
-            "train.microbatches=8", "train.iterations=100000", f'runtime.wan="{args.wan}"')
+    base = (*TIMEOUTS, f'model.preset="{args.preset}"', f"model.seq_len={args.seq_len}",
+            f"model.microbatch_size={args.microbatch_size}", f"train.microbatches={args.microbatches}", "train.iterations=100000", f'runtime.wan="{args.wan}"', *args.set)
     regions = tuple(args.regions.split(","))
     got: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,7 +112,7 @@ def main() -> None:
                 tps, it_s = got[arm][-1]
                 print(f"round {rnd + 1} {arm}: {tps:.0f} tokens/s, {it_s:.3f} s/iteration "
                       f"({time.monotonic() - t0:.0f} s wall)", file=sys.stderr)
-    print(f"\n{args.preset}, 3 stages x {args.replicas} replicas, 2 data holders, --wan {args.wan} "
+    print(f"\n{args.preset} ({args.microbatches} x {args.microbatch_size} x {args.seq_len} tokens per data holder), 3 stages x {args.replicas} replicas, 2 data holders, --wan {args.wan} "
           f"({args.regions}), {args.iterations} iterations ({args.warmup} warm-up) x {args.repeat} rounds, no churn\n")
     print("| arm | tokens/s (median) | s per iteration (median) | tokens/s vs fp32 + gather |")
     print("|---|---|---|---|")
@@ -117,4 +124,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # a bad --set: one line, exit 2
+        print(f"wire_real: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
