@@ -371,8 +371,13 @@ class CellSummary:
     frac_opt: dict[str, Spread]  # system -> throughput / the optimum's (same seed)
     reduction: dict[str, Spread]  # SWARM variant -> gwtf's training-time reduction (fraction)
     discarded: Spread  # gwtf's discarded compute fraction
+    split: dict[str, tuple[Spread, ...]]  # system -> discarded: all, on crashed nodes, redone on live ones
     unfinished: int  # runs (any system) that did not finish
     violations: int
+
+
+SPLIT = ("discarded", "discarded_crashed", "discarded_live")
+"""A run row's discarded compute: all of it, on nodes that crashed, redone on live ones."""
 
 
 def _fraction(rows: Sequence[dict[str, Any]], opt: Sequence[dict[str, Any] | None]) -> Spread:
@@ -407,6 +412,8 @@ def summarize(rows: Sequence[dict[str, Any]], cells: Sequence[Cell],
             tput={sy: Spread.of(float(r["throughput_mb_per_s"]) for r in got[sy]) for sy in systems},
             frac_opt={sy: _fraction(got[sy], opt) for sy in systems}, reduction=red,
             discarded=Spread.of(float(r["discarded"]) for r in got.get("gwtf", [])),
+            split={sy: tuple(Spread.of(float(r.get(k, math.nan)) for r in got[sy])
+                             for k in SPLIT) for sy in systems},
             unfinished=sum(1 for sy in systems for r in got[sy] if not r["finished"]),
             violations=sum(int(r["violations"]) for sy in systems for r in got[sy])))
     return out
@@ -435,24 +442,19 @@ def markdown_table(summaries: Sequence[CellSummary], systems: Sequence[str] = SY
     return "\n".join(lines) + "\n"
 
 
-def discarded_table(rows: Sequence[dict[str, Any]], cells: Sequence[Cell],
-                    systems: Sequence[str] = SYSTEMS) -> str:
-    """Discarded compute per cell and system, split by where it ran (median [min, max] over seeds):
-    on nodes that crashed (lost with the GPU) and on live nodes (what recovery redid). Cells whose
-    runs predate the split (cached rows without it) are left out."""
+def discarded_table(summaries: Sequence[CellSummary], systems: Sequence[str] = SYSTEMS) -> str:
+    """Discarded compute per cell and system, split by where it ran (median [min, max] over the
+    cell's paired seeds): on nodes that crashed (lost with the GPU) and on live nodes (what
+    recovery redid). Cells whose runs predate the split (cached rows without it) are left out."""
     head = ["family", "churn /h", "regime", "GPU mix"]
     for sy in systems:
         head += [f"{SHORT.get(sy, sy)} discarded", f"{SHORT.get(sy, sy)} on crashed", f"{SHORT.get(sy, sy)} redone"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for cell in cells:
-        got = {sy: [r for r in rows if r["system"] == sy and "discarded_live" in r
-                    and Cell(r["family"], str(r["churn"]), r["regime"], r["mix"]) == cell] for sy in systems}
-        if not all(got.values()):
+    for s in summaries:
+        if any(part.n == 0 for sy in systems for part in s.split[sy]):
             continue
-        cols = [cell.family, cell.churn, cell.regime, cell.mix]
-        for sy in systems:
-            cols += [Spread.of(float(r[k]) for r in got[sy]).fmt(2, 100.0, "%")
-                     for k in ("discarded", "discarded_crashed", "discarded_live")]
+        c = s.cell
+        cols = [c.family, c.churn, c.regime, c.mix] + [part.fmt(2, 100.0, "%") for sy in systems for part in s.split[sy]]
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
@@ -574,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
           "(same seed); gwtf vs X: training-time reduction; median [min, max] over seeds")
     table = markdown_table(summaries)
     print(table)
-    split = discarded_table(rows, cells)
+    split = discarded_table(summaries)
     if split:
         print("# discarded compute (% of compute done): all, on nodes that crashed, redone on live nodes")
         print(split)

@@ -10,8 +10,9 @@ Owns: `Metrics`, fed by the simulator with Records, compute jobs and churn event
 - available_s: seconds each active node was alive during the run; idle_s = available - busy;
 - discarded_fraction = discarded_s / busy_s of finished iterations (the share of the compute
   done that recovery threw away: the paper's "waste"; a summary.json contract, meaning kept),
-  split by where the work ran: discarded_crashed_s / _fraction, work of nodes that later crashed
-  (gone with the GPU: no recovery can keep a contribution that never left it), and
+  split by where the work ran: discarded_crashed_s / _fraction, work of nodes that had crashed
+  by the time it was thrown away (gone with the GPU: no recovery can keep a contribution that
+  never left it), and
   discarded_live_s / _fraction, work of nodes alive (or gone gracefully) when it was thrown away
   (rerouted originals, reset duplicates, redone downstream work, rolled-back iterations): what
   the protocol's recovery costs. The two sum to discarded_s / discarded_fraction;
