@@ -240,6 +240,9 @@ class ProtocolConfig:
     partition_timeout_s: float = 60.0  # a node that cannot reach any leader this long stops
     checkpoint_every: int = 10  # iterations between (modelled) checkpoints; a lost stage rolls back to one
     checkpoint_replicate: bool = True  # at each checkpoint a replica of every relay stage sends it to the data holders
+    # a joiner becomes a data holder (stage 0, a vacant shard) while fewer than train.data_holders are live or
+    # joining; false: the paper's behaviour, joiners become relays and a crashed data holder's shard stays vacant
+    data_holder_joins: bool = True
     swarm_rebalance_period_s: float = 300.0  # SWARM baseline: rebalancing period T (SWARM paper: 300 s)
     swarm_ban_s: float = 60.0  # SWARM baseline: a failed peer is banned this long (its DHT record's life)
     rebalance_period_s: float = 300.0  # gwtf: at most one relay moves to the bottleneck stage per period (0: off)

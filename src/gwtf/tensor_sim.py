@@ -119,8 +119,8 @@ class TensorSimulator(Simulator):
             name=info.id, role="data-holder" if shard is not None else "relay",
             stage=info.stage if info.stage >= 0 else None, region=info.region, shard=shard, listen="",
             join=None, device="cpu", out_dir=self.out_dir / info.id)
-        self.hosts[info.id] = Host(self.cfg, ident, info.id, self.cores[info.id], self.spec,
-                                   self.dataset if shard is not None else None, "cpu")
+        # every host gets the corpus: a joiner may be made a data holder (it serves its Welcome's shard)
+        self.hosts[info.id] = Host(self.cfg, ident, info.id, self.cores[info.id], self.spec, self.dataset, "cpu")
 
     def _remove(self, node: str, now: float, crashed: bool) -> None:
         if node in self.cores and crashed:

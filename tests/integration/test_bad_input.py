@@ -59,7 +59,7 @@ async def _join_as_peer(addr: str, secret: bytes) -> Message:
     me = f"{t.node_id}/local@{bound}"
     t.node_id = me
     try:
-        await t.send(addr, JoinRequest(peer=(me, -1, "local", 1.0, 1, 0)), timeout_s=10)
+        await t.send(addr, JoinRequest(peer=(me, -1, "local", 1.0, 1, 0, -1)), timeout_s=10)
         async with asyncio.timeout(20):
             while True:
                 msg = await got.get()

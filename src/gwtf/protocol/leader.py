@@ -13,7 +13,7 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -413,7 +413,13 @@ class Coordinator:
             self.lead.restored[info.stage] = min(self.lead.restored.get(info.stage, version), version)
         self.node.members._dir_set(info)
         out: list[Effect] = [record(RecordName.JOIN, node=pid, stage=info.stage, iteration=self.lead.t)]
-        out += self._broadcast(MemberUp(term=self.node.term, peer=to_tuple(info)), include_self=False)
+        up = MemberUp(term=self.node.term, peer=to_tuple(info))
+        out += [self.node.send(p, up) for p in sorted(self.node.directory) if p not in (pid, self.node.me.id)]
+        # a data holder activated while the others train trains this iteration too: it holds
+        # version t, the weights iteration t runs on (its shard's microbatches are not lost to it)
+        start = self.lead.t if info.stage == 0 and self.lead.phase == Phase.RUN else NONE
+        if pid != self.node.me.id:
+            out.append(self.node.send(pid, replace(up, start=start)))
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
         listed = self.node.members.welcomed_with.pop(pid, frozenset(self.node.directory))

@@ -52,6 +52,7 @@ class TrainParams:
     stage_grad_bytes: tuple[int, ...]  # gradient bytes per stage (aggregation exchange)
     tokens_per_microbatch: int = 0
     activation_grad_bytes: int = -1  # one activation gradient on the wire (Backward); -1 = activation_bytes
+    data_holders: int = 0  # D: data shards (train.data_holders); a joiner takes a vacant one (0: none)
 
     def __post_init__(self) -> None:
         if self.activation_grad_bytes < 0:

@@ -36,6 +36,7 @@ from gwtf.protocol.messages import (
     Evicted,
     Heartbeat,
     HeartbeatAck,
+    IterStart,
     JoinRequest,
     LeaderVote,
     LeaveNotice,
@@ -66,11 +67,11 @@ MAX_COMPUTE_S = 1e6  # the largest compute seconds per microbatch a node adverti
 
 
 def to_tuple(p: PeerInfo) -> PeerTuple:
-    return (p.id, p.stage, p.region, p.compute_s, p.capacity, p.demand)
+    return (p.id, p.stage, p.region, p.compute_s, p.capacity, p.demand, p.shard)
 
 
 def from_tuple(t: PeerTuple) -> PeerInfo:
-    return PeerInfo(id=t[0], stage=t[1], region=t[2], compute_s=t[3], capacity=t[4], demand=t[5])
+    return PeerInfo(id=t[0], stage=t[1], region=t[2], compute_s=t[3], capacity=t[4], demand=t[5], shard=t[6])
 
 
 class Membership:
@@ -87,6 +88,7 @@ class Membership:
         self.pending_joiners: set[NodeId] = set()  # leader: joiners admitted, not yet members
         self.welcomed_with: dict[NodeId, frozenset[NodeId]] = {}  # leader: members a joiner's Welcome listed
         self.pending_stage: dict[NodeId, tuple[int, int]] = {}  # leader: joiner -> (assigned stage, capacity)
+        self.pending_shard: dict[NodeId, int] = {}  # leader: data-holder joiner -> its shard (while in pending_stage)
         self.probing: set[tuple[str, NodeId]] = set()
         self.votes: dict[int, dict[NodeId, float]] = {}  # candidate: term -> voter -> when last heard
         self.vote_failed: set[NodeId] = set()
@@ -95,6 +97,7 @@ class Membership:
         self.join_tries = 0  # joiner: JoinRequests sent without reaching a Welcome
         self.contact: NodeId = ""  # joiner: the member it asks to join
         self.assigned_stage = -1  # joiner: the stage its Welcome assigned
+        self.move_to = NONE  # joiner: the relay stage a rebalancing move sends it to (its JoinRequest's `want`)
         self.restore_version = 0  # joiner: the checkpoint its Welcome (or last Refetch) named
         self.state_source: NodeId = ""  # joiner: the replica a StateRequest went to
         self.state_tries = 0
@@ -527,7 +530,12 @@ class Membership:
                 return []  # an activation for a stage we left (we were sent to join again)
             self.node.active = True
             self.node.iteration = self.node.version
-            return [record(RecordName.ACTIVATED, node=self.node.me.id, stage=self.node.me.stage, version=self.node.version)]
+            out: list[Effect] = [record(RecordName.ACTIVATED, node=self.node.me.id, stage=self.node.me.stage,
+                                        version=self.node.version)]
+            if msg.start != NONE and msg.start == self.node.version and self.node.me.stage == 0:
+                # a data holder activated mid-iteration: its IterStart went out before it was a member
+                out += self.node.agg.on_iter_start(sender, IterStart(term=msg.term, iteration=msg.start, leader=sender), now)
+            return out
         if self.keeps(p):
             self._dir_set(p)
         return self._peer_up(p, now)
@@ -566,7 +574,10 @@ class Membership:
             ([self.contact] if self.contact else [])
         out: list[Effect] = [self.node.timer(("join", 0), self.join_deadline_s(), now)]
         if ways:
-            out.append(self.node.send(ways[(self.join_tries - 1) % len(ways)], JoinRequest(peer=to_tuple(self.node.me))))
+            want = self.move_to if self.move_to >= 1 else \
+                self.node.fixed_stage if self.node.fixed_stage is not None else NONE
+            out.append(self.node.send(ways[(self.join_tries - 1) % len(ways)],
+                                      JoinRequest(peer=to_tuple(self.node.me), want=want)))
         return out
 
     def on_join_timer(self, _: object, now: float) -> list[Effect]:
@@ -602,11 +613,37 @@ class Membership:
         members = tuple(to_tuple(self.node.directory[p]) for p in sorted(self.node.directory))
         self.welcomed_with[joiner] = frozenset(self.node.directory)
         util = self.utilisation()
-        stage = bottleneck_stage(util)
+        stage, shard = self.join_assignment(msg, util)
         self.pending_stage[joiner] = (stage, msg.peer[4])
+        if stage == 0:
+            self.pending_shard[joiner] = shard
         welcome = Welcome(term=self.node.term, stage=stage, members=members, utilisation=util,
-                          iteration=self.node.iteration, checkpoint_iteration=self.checkpoint_version())
+                          iteration=self.node.iteration, checkpoint_iteration=self.checkpoint_version(), shard=shard)
         return [self.node.send(joiner, welcome)]
+
+    def vacant_shards(self) -> list[int]:
+        """Leader: the data shards (0..D-1) no live data holder serves and no pending one was given."""
+        held = {p.shard for p in self.node.directory.values() if p.stage == 0}
+        held.update(s for j, s in self.pending_shard.items()
+                    if self.pending_stage.get(j, (NONE, 0))[0] == 0 and j not in self.node.directory)
+        return [s for s in range(self.node.train.data_holders) if s not in held]
+
+    def join_assignment(self, msg: JoinRequest, util: tuple[float, ...]) -> tuple[int, int]:
+        """Leader: (stage, shard) for a joiner (DESIGN.md 5, data holder crash). The stage it must
+        serve (`want`: an operator's `--stage`, 0 for `--role data-holder`, with its own shard when it
+        names one); else, while a data shard is vacant (fewer than train.data_holders live or
+        joining, `protocol.data_holder_joins`) and no relay stage is lost, the data holder's role on
+        the lowest vacant shard; else the bottleneck relay stage. Shard NONE: not a data holder."""
+        vacant = self.vacant_shards() if msg.want <= 0 else []
+        if msg.want == 0:
+            own = msg.peer[6]
+            return 0, own if own >= 0 or not vacant else vacant[0]
+        if msg.want >= 1:
+            return msg.want, NONE
+        relay = bottleneck_stage(util)
+        if vacant and self.node.cfg.data_holder_joins and util[relay] < UNKNOWN_STAGE_LOAD:
+            return 0, vacant[0]
+        return relay, NONE
 
     def utilisation(self) -> tuple[float, ...]:
         """Per stage: microbatches per iteration / the stage's live capacity, counting the
@@ -638,10 +675,18 @@ class Membership:
             return []
         util = msg.utilisation
         self.assigned_stage = msg.stage
+        self.move_to = NONE
         members = list(map(from_tuple, msg.members))
         self.node.directory = {i.id: i for i in members}  # what a policy's stage choice may look at (SWARM)
-        stage = self.node.choose_join_stage(util)
-        self.node.me = replace(self.node.me, stage=stage, compute_s=self.node.train.stage_flops[stage] / self.speed_flops_per_s)
+        # the data holder's role the leader assigns (a vacant shard) comes before any policy's choice
+        holder = msg.stage == 0 and msg.shard >= 0 and self.node.fixed_stage in (None, 0)
+        stage = 0 if holder else self.node.choose_join_stage(util)
+        me = self.node.me
+        if stage == 0:
+            me = replace(me, shard=msg.shard if holder else me.shard, demand=self.node.train.microbatches)
+        else:
+            me = replace(me, shard=NONE, demand=0)
+        self.node.me = replace(me, stage=stage, compute_s=self.node.train.stage_flops[stage] / self.speed_flops_per_s)
         factory = self.node.router_factory
         if factory is not None:
             self.node.router = factory(self.node.me)

@@ -199,7 +199,7 @@ class GradRequest(Message):
 # Membership: "mem."
 # --------------------------------------------------------------------------------------------
 
-PeerTuple = tuple[str, int, str, float, int, int]
+PeerTuple = tuple[str, int, str, float, int, int, int]  # PeerInfo's fields in order
 """A PeerInfo flattened for the wire: (id, stage, region, compute_s, capacity, demand)."""
 
 
@@ -277,6 +277,7 @@ class MemberUp(Message):
     TYPE = "mem.up"
     term: int
     peer: PeerTuple
+    start: int = NONE  # to the data holder activated: the iteration it trains now (NONE: the next IterStart)
 
 
 @message
@@ -310,6 +311,7 @@ class JoinRequest(Message):
 
     TYPE = "mem.join"
     peer: PeerTuple
+    want: int = NONE  # the stage the joiner must serve (its `--stage`, 0 for a data holder); NONE: any
 
 
 @message
@@ -324,6 +326,7 @@ class Welcome(Message):
     utilisation: tuple[float, ...]
     iteration: int
     checkpoint_iteration: int
+    shard: int = NONE  # with stage 0: the vacant data shard the joiner serves
 
 
 @message

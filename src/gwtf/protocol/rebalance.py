@@ -125,6 +125,7 @@ class StageMover:
         self.node.me = replace(self.node.me, stage=-1)
         out.append(self.node.send(self.node.leader, LeaveNotice()))
         self.node.members.join_tries = 0
+        self.node.members.move_to = msg.stage
         return out + self.node.members.send_join(now)
 
     def take_move_target(self) -> int:

@@ -32,6 +32,7 @@ class PeerInfo:
     compute_s: float  # seconds of forward+backward compute per microbatch of its stage
     capacity: int  # max microbatches in flight
     demand: int = 0  # data holders only: microbatches per iteration
+    shard: int = -1  # data holders only: the data shard it serves (0..D-1; -1: none)
 
 
 @fast_init

@@ -117,11 +117,12 @@ class ModelShape(Protocol):
 
 
 def iteration_params(shape: ModelShape, *, stages: int, microbatch_size: int, seq_len: int,
-                     microbatches: int, iterations: int, wire_bytes: tuple[int, int] | None = None) -> TrainParams:
+                     microbatches: int, iterations: int, wire_bytes: tuple[int, int] | None = None,
+                     data_holders: int = 0) -> TrainParams:
     """The core's view of an iteration: `microbatches` per data holder per iteration; weights,
     state and parameter gradients float32; activations and activation gradients `wire_bytes`
     = (activation, gradient) bytes on the wire (`gwtf.model.wire.boundary_bytes` of the [wire]
-    section; None = float32)."""
+    section; None = float32); `data_holders`: the data shards a joiner may take (0: none)."""
     act, grad = wire_bytes if wire_bytes is not None else (shape.activation_bytes(microbatch_size),) * 2
     return TrainParams(
         stages=stages, microbatches=microbatches, iterations=iterations,
@@ -129,5 +130,5 @@ def iteration_params(shape: ModelShape, *, stages: int, microbatch_size: int, se
         stage_flops=tuple(shape.stage_flops_per_microbatch(k, stages, microbatch_size) for k in range(stages)),
         stage_state_bytes=tuple(shape.stage_state_bytes(k, stages) for k in range(stages)),
         stage_grad_bytes=tuple(4 * shape.stage_param_count(k, stages) for k in range(stages)),
-        tokens_per_microbatch=microbatch_size * seq_len,
+        tokens_per_microbatch=microbatch_size * seq_len, data_holders=data_holders,
     )

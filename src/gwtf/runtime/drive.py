@@ -141,6 +141,12 @@ class Host:
             self.worker = self._make_worker(ident.stage)
 
     @property
+    def role(self) -> str:
+        """"data-holder" once the node serves stage 0 (planned, or a vacant shard its Welcome gave
+        it), else its planned role."""
+        return "data-holder" if self.core.me.stage == 0 else self.ident.role
+
+    @property
     def planned_stage(self) -> int | None:
         return self.ident.stage
 
@@ -160,7 +166,8 @@ class Host:
         stage = ident.stage if ident.stage is not None else -1
         me = PeerInfo(id=node_id, stage=stage if bootstrap else -1, region=ident.region,
                       compute_s=UNMEASURED_S, capacity=max(1, cfg.train.microbatches),
-                      demand=cfg.train.microbatches if ident.role == "data-holder" else 0)
+                      demand=cfg.train.microbatches if ident.role == "data-holder" else 0,
+                      shard=ident.shard if ident.shard is not None else -1)
         seed = zlib.crc32(node_id.encode()) ^ cfg.train.seed
         system = get_system(cfg.protocol.system, cfg.protocol)
         core = build_core(system, me, cfg.protocol, cfg.flow, train, random.Random(seed))
@@ -476,8 +483,16 @@ class Host:
         w.load_state_blob(np.frombuffer(blob, dtype=np.uint8))
 
     def _make_worker(self, stage: int) -> StageWorker:
-        """A worker for `stage`; tensors already received (keyed by the protocol) are kept."""
-        w = StageWorker(self.cfg, self.spec, stage, device=self.device, dataset=self.dataset, shard=self.ident.shard)
+        """A worker for `stage`; tensors already received (keyed by the protocol) are kept. A node
+        the leader made a data holder (a joiner on a vacant shard) loads the corpus now and serves
+        the shard its Welcome named."""
+        shard = self.ident.shard
+        if stage == 0:
+            if self.dataset is None:
+                self.dataset = load_dataset(self.cfg.data, self.cfg.model, self.cfg.train.seed, self.cfg.train.data_holders)
+            if self.core.me.shard >= 0:
+                shard = self.core.me.shard
+        w = StageWorker(self.cfg, self.spec, stage, device=self.device, dataset=self.dataset, shard=shard)
         old = getattr(self, "worker", None)
         if old is not None:
             w.store = old.store
@@ -550,7 +565,7 @@ def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
                                 w.gradients, w.block_values)
     return iteration_params(spec, stages=cfg.model.stages, microbatch_size=cfg.model.microbatch_size,
                             seq_len=cfg.model.seq_len, microbatches=cfg.train.microbatches,
-                            iterations=cfg.train.iterations, wire_bytes=sizes)
+                            iterations=cfg.train.iterations, wire_bytes=sizes, data_holders=cfg.train.data_holders)
 
 
 

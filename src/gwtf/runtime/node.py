@@ -450,7 +450,7 @@ class NodeRuntime:
     def _status(self) -> dict[str, Any]:
         host = self.host
         return {
-            "node": self.node_id, "name": self.ident.name, "role": self.ident.role,
+            "node": self.node_id, "name": self.ident.name, "role": host.role if host else self.ident.role,
             "stage": host.stage if host else self.ident.stage, "region": self.ident.region, "state": self.state,
             "in_flight": host.in_flight() if host else 0, "pid": os.getpid(), **self.stats.as_status(),
             "iterations": self.cfg.train.iterations, "stages": self.cfg.model.stages,

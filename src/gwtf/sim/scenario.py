@@ -35,7 +35,7 @@ from gwtf.flow.profiles import resolve_mix
 from gwtf.model.presets import model_spec
 from gwtf.model.wire import boundary_bytes
 from gwtf.protocol.faults import Fault as Fault  # re-exported: the scenario's [[faults]] entries
-from gwtf.protocol.faults import parse_fault, require
+from gwtf.protocol.faults import check_role, parse_fault, require
 from gwtf.protocol.ledger import TrainParams
 from gwtf.protocol.systems import iteration_params
 
@@ -172,8 +172,12 @@ class ScenarioConfig:
     faults: tuple[Fault, ...] = ()  # scripted faults: TOML tables or compact strings (docs/faults.md)
 
     def __post_init__(self) -> None:
+        # the data holders n0..n{D-1} stay data holders (a relay may be made one: a vacant shard)
+        holders = {f"n{k}" for k in range(self.nodes.data_holders)}
         for f in self.faults:
             require(f, SIM_ACTIONS, SIM_TRIGGERS, f"scenario: faults {f.spec()!r}")
+            if f.node in holders:  # a fault a data holder can never fire (`faults.check_role`)
+                check_role(f, "data-holder", f"scenario: faults {f.spec()!r} (node {f.node})", self.model.stages)
         relays = self.nodes.count - self.nodes.data_holders
         _req(relays >= self.model.stages - 1, "nodes.count",
              f"leaves {relays} relays for {self.model.stages - 1} relay stages: a stage with no node")
@@ -207,7 +211,8 @@ def build(sc: ScenarioConfig, seed: int) -> tuple[Instance, TrainParams]:
     sizes = boundary_bytes(spec.activation_bytes(m.microbatch_size, dtype_bytes=1), w.activations, w.gradients,
                            w.block_values)
     train = iteration_params(spec, stages=m.stages, microbatch_size=m.microbatch_size, seq_len=m.seq_len,
-                             microbatches=demand, iterations=sc.train.iterations, wire_bytes=sizes)
+                             microbatches=demand, iterations=sc.train.iterations, wire_bytes=sizes,
+                             data_holders=len(inst.by_stage[0]))
     if train.route_bytes != inst.activation_bytes:  # the central optimum prices the same bytes
         inst = replace(inst, activation_bytes=train.route_bytes)
     return inst, train

@@ -81,8 +81,9 @@ class Simulator:
         return est
 
     def start(self) -> None:
+        shard = {n: d for d, n in enumerate(self.inst.by_stage[0])}  # data holder d serves shard d
         infos = [PeerInfo(id=n.id, stage=n.stage, region=n.region, compute_s=n.compute_s,
-                          capacity=n.capacity, demand=n.demand) for n in self.inst.nodes]
+                          capacity=n.capacity, demand=n.demand, shard=shard.get(n.id, -1)) for n in self.inst.nodes]
         for info in infos:
             flops = self.train.stage_flops[info.stage]
             self._add_core(info, flops / info.compute_s)

@@ -123,5 +123,5 @@ def peers(stage_sizes: tuple[int, ...], capacity: int = 4, demand: int = 2) -> l
         prefix = "d" if stage == 0 else "abcdefgh"[stage - 1]
         for i in range(n):
             out.append(PeerInfo(id=f"{prefix}{i}", stage=stage, region="r", compute_s=0.1 * (i + 1),
-                                capacity=capacity, demand=demand if stage == 0 else 0))
+                                capacity=capacity, demand=demand if stage == 0 else 0, shard=i if stage == 0 else -1))
     return out

@@ -78,14 +78,16 @@ def test_a_joiner_of_a_lost_stage_restores_it_from_a_data_holder() -> None:
     h.run(h.now + 120.0, stop=lambda: bool(h.events("training_done")))
     assert h.events("training_done"), "the swarm did not go on after the restore"
     asks = [(dst, msg) for src, dst, msg in h.sent if src == "j" and isinstance(msg, m.StateRequest)]
-    version = h.events("stage_lost")[0]["iteration"] // EVERY * EVERY
+    lost = h.events("stage_lost")[0]["iteration"]
+    version = lost // EVERY * EVERY
     assert [(d, a.stage, a.checkpoint) for d, a in asks] == [("d0", 2, version), ("d1", 2, version)]
     assert h.events("checkpoint_fetched") == [{"node": "j", "stage": 2, "version": version, "source": "d1"}]
     assert [c.outputs for n, c in h.computes if c.kind == "read_checkpoint"] == [(("ckpt", 2, version, "d1"),)]
     mine = [c.kind for n, c in h.computes if n == "j"]
     assert mine[0] == "import_state", mine  # the data holder's copy, not the joiner's own disk
-    rollbacks = [f for f in h.events("rollback") if f["lost_iterations"] >= 0]
+    rollbacks = h.events("rollback")
     assert rollbacks and rollbacks[-1]["version"] == version
+    assert (rollbacks[-1]["lost_from"], rollbacks[-1]["lost_iterations"]) == (lost, lost - version)
 
 
 def _welcomed_joiner(replicate: bool, checkpoint: int) -> tuple[NodeCore, list[object]]:
@@ -93,7 +95,7 @@ def _welcomed_joiner(replicate: bool, checkpoint: int) -> tuple[NodeCore, list[o
     cfg = ProtocolConfig(checkpoint_every=EVERY, checkpoint_replicate=replicate)
     j = NodeCore(PeerInfo(id="j", stage=-1, region="r", compute_s=0.1, capacity=4), cfg, TRAIN, random.Random(1))
     j.on_start(0.0, [PeerInfo(id="d0", stage=-1, region="r", compute_s=0.1, capacity=1)])
-    members = (("d0", 0, "r", 0.1, 4, 2), ("d1", 0, "r", 0.1, 4, 2), ("a0", 1, "r", 0.1, 4, 0))
+    members = (("d0", 0, "r", 0.1, 4, 2, 0), ("d1", 0, "r", 0.1, 4, 2, 1), ("a0", 1, "r", 0.1, 4, 0, -1))
     welcome = m.Welcome(term=0, stage=2, members=members, utilisation=(1.0, 1.0, 1e9), iteration=3,
                         checkpoint_iteration=checkpoint)
     return j, j.on_message("d0", welcome, 0.1)
@@ -161,7 +163,7 @@ def test_the_rollback_goes_no_later_than_the_state_a_restored_stage_holds() -> N
     joiner = NodeCore(PeerInfo(id="j", stage=2, region="r", compute_s=0.1, capacity=4), h.cfg, h.train,
                       random.Random(1))
     h.cores["j"] = joiner
-    ready = m.Ready(stage=2, version=held, peer=("j", 2, "r", 0.1, 4, 0))
+    ready = m.Ready(stage=2, version=held, peer=("j", 2, "r", 0.1, 4, 0, -1))
     h.apply("d0", h.cores["d0"].on_message("j", ready, h.now))
     rollbacks = h.events("rollback")
     assert rollbacks and rollbacks[-1]["version"] == held, (rollbacks, newest)

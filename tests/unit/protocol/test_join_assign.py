@@ -19,7 +19,7 @@ def _welcome_stage(out: list[object]) -> int:
 
 
 def _join(leader: object, name: str, now: float) -> int:
-    peer = (name, -1, "r", 0.1, 4, 0)
+    peer = (name, -1, "r", 0.1, 4, 0, -1)
     return _welcome_stage(leader.on_message(name, m.JoinRequest(peer=peer), now))  # type: ignore[attr-defined]
 
 
@@ -41,7 +41,7 @@ def test_a_joiner_that_became_a_member_and_died_is_not_counted_again() -> None:
     h.run(0.5)
     leader = h.cores["d0"]
     stage = _join(leader, "j0", h.now)
-    info = ("j0", stage, "r", 0.1, 4, 0)
+    info = ("j0", stage, "r", 0.1, 4, 0, -1)
     leader.on_message("j0", m.Ready(stage=stage, version=leader.version, peer=info), h.now)
     assert "j0" in leader.directory
     for pid in [p for p, i in leader.directory.items() if i.stage == stage]:

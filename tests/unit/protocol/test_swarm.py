@@ -154,8 +154,8 @@ def test_a_swarm_joiner_refills_a_lost_stage_other_than_stage_1() -> None:
     j = SwarmCore(PeerInfo(id="j", stage=-1, region="r", compute_s=0.1, capacity=4), ProtocolConfig(), train,
                   random.Random(1))
     j.on_start(0.0, [PeerInfo(id="d0", stage=-1, region="r", compute_s=0.1, capacity=1)])
-    members = (("d0", 0, "r", 0.1, 4, 2), ("a0", 1, "r", 0.1, 4, 0), ("a1", 1, "r", 0.1, 4, 0),
-               ("c0", 3, "r", 0.1, 4, 0))  # stage 2 has no replica left
+    members = (("d0", 0, "r", 0.1, 4, 2, 0), ("a0", 1, "r", 0.1, 4, 0, -1), ("a1", 1, "r", 0.1, 4, 0, -1),
+               ("c0", 3, "r", 0.1, 4, 0, -1))  # stage 2 has no replica left
     welcome = m.Welcome(term=0, stage=1, members=members, utilisation=(1.0, 1.0, 1e9, 1.0), iteration=3,
                         checkpoint_iteration=0)
     out = j.on_message("d0", welcome, 0.1)

@@ -1,0 +1,131 @@
+"""A joiner takes a crashed data holder's place (DESIGN.md 5, data holder crash; issue 42): the
+leader gives it the data holder's role on the vacant shard while fewer than `data_holders` are
+live, it restores stage 0 from a live data holder and trains its shard's microbatches from the
+iteration it is activated in; the invariant checker sees every microbatch exactly once."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from core_harness import TRAIN, Harness, peers
+
+from gwtf.config import ProtocolConfig
+from gwtf.protocol import messages as m
+from gwtf.protocol.base import Send
+from gwtf.protocol.core import NodeCore
+from gwtf.protocol.invariants import InvariantChecker
+from gwtf.protocol.router import PeerInfo
+
+ITERATIONS = 12
+SHARDED = replace(TRAIN, iterations=ITERATIONS, data_holders=2)
+
+
+def _joiner(h: Harness, name: str, contact: str) -> NodeCore:
+    j = NodeCore(PeerInfo(id=name, stage=-1, region="r", compute_s=0.1, capacity=4), h.cfg, h.train,
+                 random.Random(name))
+    h.cores[name] = j
+    h.apply(name, j.on_start(h.now, [h.cores[contact].me]))
+    return j
+
+
+def _welcomes(h: Harness, to: str) -> list[m.Welcome]:
+    return [msg for _, dst, msg in h.sent if dst == to and isinstance(msg, m.Welcome)]
+
+
+def _started_by(h: Harness, node: str) -> set[int]:
+    return {f["mb"][1] for f in h.events("mb_start") if f["mb"][0] == node}
+
+
+def _checked(h: Harness, dead: dict[str, float]) -> InvariantChecker:
+    chk = InvariantChecker(h.train.stages, 1e9, h.train.iterations)
+    for node, at in dead.items():
+        chk.on_dead(node, at)
+    for now, node, event, fields in h.records:
+        chk.on_record(now, node, event, fields)
+    return chk
+
+
+def _crash_d1_then_join(cfg: ProtocolConfig | None = None) -> tuple[Harness, float]:
+    h = Harness(peers((2, 1, 1)), SHARDED, cfg=cfg)
+    h.start()
+    h.run(60.0, stop=lambda: any(f["iteration"] == 2 for f in h.events("iteration_done")))
+    crashed_at = h.now
+    h.crash("d1")
+    h.run(h.now + 40.0, stop=lambda: bool(h.events("evict")))
+    assert [f["node"] for f in h.events("evict")] == ["d1"]
+    _joiner(h, "j0", "b0")  # through a relay: it forwards to the leader
+    h.run(h.now + 300.0, stop=lambda: bool(h.events("training_done")))
+    h.run(h.now + 5.0)  # the last Step reaches every replica
+    return h, crashed_at
+
+
+def test_a_joiner_takes_the_crashed_data_holders_shard_and_trains_it() -> None:
+    h, crashed_at = _crash_d1_then_join()
+    (w,) = _welcomes(h, "j0")
+    assert (w.stage, w.shard) == (0, 1), (w.stage, w.shard)  # d1 served shard 1
+    j = h.cores["j0"]
+    assert (j.me.stage, j.me.shard, j.me.demand, j.active) == (0, 1, SHARDED.microbatches, True)
+    assert [c.kind for n, c in h.computes if n == "j0"][0] == "import_state"  # stage 0 from d0
+    assert h.events("training_done"), "the swarm did not finish after the data holder was replaced"
+    first = h.events("activated")[0]["version"]
+    trained = _started_by(h, "j0")
+    assert trained == set(range(first, ITERATIONS)), (first, sorted(trained))
+    # every iteration from the joiner's on trains the full batch again: D x M microbatches
+    for t in range(first, ITERATIONS):
+        assert len({f["mb"] for f in h.events("mb_start") if f["mb"][1] == t}) == 2 * SHARDED.microbatches
+    chk = _checked(h, {"d1": crashed_at})
+    assert chk.violations == [], chk.violations
+    assert {c.version for c in h.cores.values()} == {ITERATIONS}
+
+
+def test_without_data_holder_joins_the_joiner_is_a_relay_and_the_shard_stays_vacant() -> None:
+    h, crashed_at = _crash_d1_then_join(ProtocolConfig(data_holder_joins=False))
+    (w,) = _welcomes(h, "j0")
+    assert w.stage >= 1 and w.shard == m.NONE
+    assert h.cores["j0"].me.stage >= 1 and not _started_by(h, "j0")
+    assert h.events("training_done")
+    assert _checked(h, {"d1": crashed_at}).violations == []
+
+
+def test_a_full_complement_of_data_holders_sends_joiners_to_the_relay_stages() -> None:
+    h = Harness(peers((2, 1, 1)), SHARDED)
+    h.start()
+    h.run(0.5)
+    out = h.cores["d0"].on_message("j0", m.JoinRequest(peer=("j0", -1, "r", 0.1, 4, 0, -1)), h.now)
+    (w,) = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, m.Welcome)]
+    assert w.stage >= 1 and w.shard == m.NONE
+
+
+def test_joiners_arriving_together_fill_each_vacant_shard_once() -> None:
+    h = Harness(peers((3, 1, 1)), replace(SHARDED, data_holders=3))
+    h.start()
+    h.run(0.5)
+    leader = h.cores["d0"]
+    for pid in ("d1", "d2"):
+        leader.members.evict(pid, False, h.now)
+    got = []
+    for name in ("j0", "j1", "j2"):
+        out = leader.on_message(name, m.JoinRequest(peer=(name, -1, "r", 0.1, 4, 0, -1)), h.now)
+        (w,) = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, m.Welcome)]
+        got.append((w.stage, w.shard))
+    assert got[:2] == [(0, 1), (0, 2)] and got[2][0] >= 1 and got[2][1] == m.NONE, got
+
+
+def test_a_joiner_that_wants_a_stage_gets_it() -> None:
+    """An operator's `--stage 2` (or a rebalancing move's target) is honoured even while a shard is
+    vacant; `--role data-holder` with its own shard keeps that shard."""
+    h = Harness(peers((2, 1, 1)), SHARDED)
+    h.start()
+    h.run(0.5)
+    leader = h.cores["d0"]
+    leader.members.evict("d1", False, h.now)
+
+    def welcome(name: str, want: int, shard: int = -1) -> tuple[int, int]:
+        out = leader.on_message(name, m.JoinRequest(peer=(name, -1, "r", 0.1, 4, 0, shard), want=want), h.now)
+        (w,) = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, m.Welcome)]
+        return w.stage, w.shard
+
+    assert welcome("j0", 2) == (2, m.NONE)
+    assert welcome("j1", 0, shard=0) == (0, 0)
+    assert welcome("j2", 0) == (0, 1)
