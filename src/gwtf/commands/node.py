@@ -10,6 +10,7 @@ Prints one `READY {json}` line when it serves.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import secrets
 from pathlib import Path
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--stage {stage} is outside 0..{cfg.model.stages - 1} (model.stages)")
     if args.role == "data-holder":
         stage = 0
+    _check_fault_role(cfg, args.role, stage)
     shard = args.shard
     if args.role == "data-holder" and shard is None:
         digits = re.findall(r"\d+", args.name or "")  # a random name's hex digits are no shard
@@ -140,6 +142,21 @@ def run(args: argparse.Namespace) -> int:
         join=args.join, device=device, out_dir=Path(args.out), resume=args.resume, key_file=key_file,
     )
     return run_node(cfg, ident)
+
+
+def _check_fault_role(cfg: Config, role: str, stage: int | None) -> None:
+    """This node's fault (runtime.fault, else $GWTF_FAULT) must be one its role can fire
+    (`faults.check_role`): a data holder's (stage 0 for good) and a relay's given a relay stage
+    (`--stage K`, K >= 1: it only ever moves between relay stages). A relay with `--stage auto`
+    is not checked: the leader may make it a data holder (a vacant shard), or a relay."""
+    from gwtf.protocol.faults import check_role
+    from gwtf.runtime.chaos import FAULT_ENV, runtime_fault
+
+    text = cfg.runtime.fault or os.environ.get(FAULT_ENV, "")  # as `chaos.fault_from` chooses
+    fault = runtime_fault(text)
+    if fault is not None and (role == "data-holder" or (stage or 0) >= 1):
+        flags = f"--role {role}" + (f" --stage {stage}" if role == "relay" else "")
+        check_role(fault, role, f"runtime.fault {text.strip()!r} ({flags})", cfg.model.stages)
 
 
 def _check_key(key_file: str | None, out: Path, name: str) -> Path | None:

@@ -17,6 +17,7 @@ A non-empty `--out` is refused (it holds an earlier run) unless the run is resum
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -97,20 +98,52 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
     opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
                         regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume)
-    return cfg, replace(opts, slowdowns=parse_slowdowns(args.slow, cfg, opts),
-                        faults=parse_node_faults(args.faults, cfg, opts))
+    opts = replace(opts, slowdowns=parse_slowdowns(args.slow, cfg, opts),
+                   faults=parse_node_faults(args.faults, cfg, opts))
+    check_shared_fault(cfg, opts)
+    return cfg, opts
 
 
 def parse_node_faults(specs: list[str], cfg: Config, opts: object) -> dict[str, str]:
-    """`--fault NODE=SPEC` flags -> {node name: spec}; UserError naming a bad one."""
+    """`--fault NODE=SPEC` flags -> {node name: spec}; UserError naming a bad one, or one that can
+    never fire on its node's role (`faults.check_role`: e.g. a data holder's compute kind on a
+    relay, a relay's on a data holder)."""
+    from gwtf.protocol.faults import check_role
     from gwtf.runtime.chaos import runtime_fault
+    from gwtf.runtime.swarm import SwarmOptions, initial_plans
 
     def spec(text: str) -> str:
         runtime_fault(text)  # FaultError (one line, exit 2) before any process starts
         return text
 
-    return _per_node_flags("--fault", "NODE=SPEC, e.g. r1a=crash:compute=forward:iter=2", "a fault",
-                           specs, _initial_names(cfg, opts), spec)
+    assert isinstance(opts, SwarmOptions)
+    roles = {p.name: p.role for p in initial_plans(cfg, opts)}
+    out = _per_node_flags("--fault", "NODE=SPEC, e.g. r1a=crash:compute=forward:iter=2", "a fault",
+                          specs, list(roles), spec)
+    for name, text in out.items():
+        fault = runtime_fault(text)
+        if fault is not None:
+            check_role(fault, roles[name], f"--fault {name + '=' + text!r} (node {name})", cfg.model.stages)
+    return out
+
+
+def check_shared_fault(cfg: Config, opts: object) -> None:
+    """A fault every node inherits (runtime.fault through --set/--config, else $GWTF_FAULT) must be
+    one that can fire on each initial node that gets it (every one without its own --fault), which
+    would refuse it and not start otherwise. A joiner (`--stage auto`: a relay stage, or the data
+    holder's role on a vacant shard) is not checked: it may run any kind."""
+    from gwtf.protocol.faults import check_role
+    from gwtf.runtime.chaos import FAULT_ENV, runtime_fault
+    from gwtf.runtime.swarm import SwarmOptions, initial_plans
+
+    assert isinstance(opts, SwarmOptions)
+    text = cfg.runtime.fault or os.environ.get(FAULT_ENV, "")  # as each node's `chaos.fault_from` chooses
+    fault = runtime_fault(text)
+    if fault is None:
+        return
+    for name, role in ((p.name, p.role) for p in initial_plans(cfg, opts) if p.name not in opts.faults):
+        check_role(fault, role, f"runtime.fault {text.strip()!r} (every node without its own --fault, "
+                                f"here {name})", cfg.model.stages)
 
 
 def check_swarm_config(cfg: Config) -> None:

@@ -6,7 +6,8 @@ written forms (a TOML table with the dataclass's own keys, as in a scenario's `[
 compact string `<action>:<trigger>[:key=value...]`, as in `runtime.fault`): `parse_fault`,
 `Fault.spec` and `Fault.table` (each form parses back to an equal `Fault`); `FaultError` (one
 line naming the bad part; a `UserError`, so the CLI exits 2, and a `ValueError`); `require`
-(which actions/triggers a driver carries out) and `FaultWatch`, the matcher every driver feeds
+(which actions/triggers a driver carries out), `check_role` (a fault its node's role can never
+fire: a compute kind only the other role runs) and `FaultWatch`, the matcher every driver feeds
 so the trigger semantics are the same everywhere.
 
 Trigger semantics (`FaultWatch`):
@@ -37,7 +38,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 from gwtf.config import from_dict
 from gwtf.errors import UserError
-from gwtf.protocol.kinds import ComputeKind, RecordName
+from gwtf.protocol.kinds import RELAY_KINDS, STAGE0_KINDS, ComputeKind, RecordName
 from gwtf.protocol.messages import Compute
 
 Action = Literal["crash", "leave", "join", "cut", "degrade", "crash_stage", "flip"]
@@ -208,6 +209,40 @@ def require(fault: Fault, actions: Iterable[str], triggers: Iterable[str], where
         raise FaultError(f"{where}: action {fault.event!r} is not carried out here ({', '.join(actions)})")
     if fault.trigger not in triggers:
         raise FaultError(f"{where}: a {fault.trigger} trigger is not supported here ({', '.join(triggers)})")
+
+
+ROLES = ("data-holder", "relay")
+_ROLE_TEXT = {"data-holder": "a data holder (stage 0)", "relay": "a relay (a stage >= 1)"}
+_PLURAL = {"data-holder": "data holders", "relay": "relays"}
+_ONLY = {"data-holder": STAGE0_KINDS, "relay": RELAY_KINDS}  # the kinds only this role runs
+
+
+def check_role(fault: Fault, role: str, where: str, stages: int = 0) -> None:
+    """FaultError (one line, naming `where`, the kind and the role) when `fault`, carried by a
+    node of `role`, can never fire there: its compute trigger names a kind only the other role
+    runs (`kinds.STAGE0_KINDS`, `kinds.RELAY_KINDS`; "aggregate" and "any" run everywhere), or
+    its `stage` filter (not crash_stage's target) names a stage no compute job of that role
+    carries (a job's stage is its node's: 0 for a data holder; 1..stages-1 for a relay, which
+    may move between them; `stages` = 0: not checked above 1). Record and time triggers are not
+    checked. A driver calls it where it knows the node's role: `gwtf swarm --fault`, `gwtf
+    node`, a scenario fault naming an initial node."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} ({', '.join(ROLES)})")
+    if not fault.after_compute:
+        return
+    other = ROLES[1 - ROLES.index(role)]
+    if fault.after_compute in _ONLY[other]:
+        runs = [k.value for k in ComputeKind if k not in _ONLY[other]]
+        raise FaultError(f"{where}: {_ROLE_TEXT[role]} never runs compute kind {fault.after_compute!r} "
+                         f"(only {_PLURAL[other]} do), so this fault would never fire; {_PLURAL[role]} run "
+                         f"{', '.join(runs)} (or use {', '.join(COMPUTE_GROUPS)}, {ANY})")
+    if fault.stage < 0 or fault.event == "crash_stage":
+        return
+    never = fault.stage != 0 if role == "data-holder" else (fault.stage == 0 or 0 < stages <= fault.stage)
+    if never:
+        at = "stage 0" if role == "data-holder" else f"stages 1..{stages - 1}" if stages else "stages >= 1"
+        raise FaultError(f"{where}: stage={fault.stage} never matches a compute job of a {_PLURAL[role][:-1]}: "
+                         f"its jobs are at {at}, so this fault would never fire")
 
 
 class Firing(NamedTuple):

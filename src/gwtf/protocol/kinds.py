@@ -39,6 +39,17 @@ class ComputeKind(StrEnum):
 DISK_KINDS = frozenset({ComputeKind.LOAD_CHECKPOINT, ComputeKind.READ_CHECKPOINT, ComputeKind.STORE_CHECKPOINT})
 """Computes that read or write a checkpoint (the simulator charges their bytes at disk bandwidth)."""
 
+STAGE0_KINDS = frozenset({ComputeKind.EMBED, ComputeKind.LOSS, ComputeKind.EMBED_BACKWARD,
+                          ComputeKind.STORE_CHECKPOINT, ComputeKind.READ_CHECKPOINT})
+"""Computes only a stage-0 node (a data holder) is ever asked to run: its microbatches' embedding,
+loss and embedding backward (`protocol.training`), and its copies of the relay stages'
+checkpoints (`protocol.membership`: kept and served by a stage-0 node only)."""
+RELAY_KINDS = frozenset({ComputeKind.FORWARD, ComputeKind.BACKWARD, ComputeKind.EXPORT_CHECKPOINT})
+"""Computes only a relay (a stage >= 1, any of them) is ever asked to run: a stage's forward and
+backward (`protocol.training`), and a replica's checkpoint sent to the data holders
+(`protocol.aggregation`). Every other kind (gradient aggregation, the optimizer step, state
+transfer, loading a checkpoint) runs at any stage."""
+
 
 @unique
 class RecordName(StrEnum):

@@ -12,6 +12,12 @@ microbatches_dropped),
 per stage left without an active node). Processes are owned by a `ProcessGroup`, so every one is
 killed on exit, error or Ctrl+C.
 
+"crashes" counts every node process that died during the run, whatever killed it: `--churn`'s
+kill -9 (counted as it is sent), and any node found dead that ended by itself with a signal or a
+non-zero exit code (`crashed`): a scripted fault (`--fault`: the node SIGKILLs itself, after its
+`fault` record), a kill from outside, an error, a node that gave up. Exit 0 (training finished, a
+graceful leave) is no crash, nor are the kills of `close()`. Each node counts once.
+
 "joins" counts joiners that SERVED: a joiner counts once its own records show it activated and
 then contributed a microbatch (`served`); joiners started but not (yet) serving do not count.
 
@@ -135,6 +141,7 @@ class SwarmMetrics:
         self.rows: list[dict[str, Any]] = list(prior or [])
         self.first = first
         self.next_iteration = first  # the next iteration to complete
+        self.holder_from: dict[str, int] = {}  # a node -> the first iteration it stepped as a data holder (stage 0)
         self._time0 = float(self.rows[-1]["time_s"]) if self.rows else 0.0
         self.hashes: dict[tuple[int, int], dict[str, str]] = {}  # (iteration, stage) -> node -> hash
         self.records: dict[str, list[dict[str, Any]]] = {}
@@ -158,11 +165,13 @@ class SwarmMetrics:
         slot = self._its.setdefault(it, _Iteration())
         if event == RecordName.ITER_START and it == self.first == self.next_iteration:  # the leader starts training
             self.unix_start_s = max(self.unix_start_s, float(row.get("unix_s", 0.0)))
-        if event == RecordName.LOSS and p.plan.role == "data-holder":
+        # a data holder is a node at stage 0: planned so, or a joiner the leader gave a vacant shard
+        if event == RecordName.LOSS:
             slot.losses[(p.name, int(row["index"]))] = float(row["loss"])
             slot.tokens[(p.name, int(row["index"]))] = int(row.get("tokens", 0))
         elif event == RecordName.STEPPED:
-            if p.plan.role == "data-holder":
+            if int(row["stage"]) == 0:
+                self.holder_from.setdefault(p.name, it)
                 slot.stepped.add(p.name)
                 slot.unix_s = max(slot.unix_s, float(row.get("unix_s", 0.0)))
             self.hashes.setdefault((it, int(row["stage"])), {})[p.name] = str(row["hash"])
@@ -183,7 +192,8 @@ class SwarmMetrics:
         while True:
             it = self.next_iteration
             slot = self._its.get(it)
-            live_dh = {p.name for p in procs if p.plan.role == "data-holder" and p.alive()}
+            live_dh = {p.name for p in procs if p.alive() and (
+                self.holder_from.get(p.name, it + 1) <= it or p.plan.role == "data-holder")}
             if slot is None or not slot.stepped or not live_dh <= slot.stepped or self._waits(it, slot):
                 return new
             now = self._time0 + ((slot.unix_s - self.unix_start_s) if slot.unix_s and self.unix_start_s
@@ -317,7 +327,9 @@ class Swarm:
         self.close()
 
     def close(self) -> None:
-        """Kill every node (idempotent), then read their last records."""
+        """Kill every node (idempotent), then read their last records. Its kills are no crashes:
+        a node still running now is never counted by a later `step`."""
+        self._reported_exits.update(p.name for p in self.group.procs if p.popen.poll() is None)
         self.group.close()
         if not self.metrics.closed:
             self.metrics.poll(self.group.procs)
@@ -389,27 +401,47 @@ class Swarm:
         return stage if isinstance(stage, int) else None
 
     def step(self) -> list[dict[str, Any]]:
-        """One poll: read records, emit finished iterations, apply churn. Returns new metric rows."""
+        """One poll: read records, notice (and count) nodes that died, emit finished iterations,
+        apply churn. Returns new metric rows."""
         procs = self.group.procs
         self.metrics.poll(procs)
-        new = self.metrics.complete(procs, self.started_s, self.crashes, self.joins)
         for p in procs:
             if p.state == "starting":
                 try:
                     self.group.check_ready(p)
                 except RuntimeError as exc:
                     self.say(f"joiner {p.name} failed: {exc}")
-            elif p.state == "ready" and not p.alive() and p.name not in self._reported_exits:
-                self._reported_exits.add(p.name)
-                mark_dead(p)
-                code = p.popen.returncode
-                reason = (read_status(p.dir / STATUS_FILE) or {}).get("stop_reason") or "no reason recorded"
-                if code < 0:
-                    self.say(f"node {p.name} was killed by {signal.Signals(-code).name}")
-                else:
-                    self.say(f"node {p.name} exited with code {code}: {reason}")
+                    self._exited(p, announced=True)
+            elif p.popen.poll() is not None:
+                self._exited(p)
+        new = self.metrics.complete(procs, self.started_s, self.crashes, self.joins)
         self._churn(new)
         return new
+
+    def _exited(self, p: NodeProcess, announced: bool = False) -> None:
+        """A node process found dead (once per node): say how it ended; count it in `crashes`
+        unless the swarm itself ended it (churn's kill -9 is counted where it happens)."""
+        if p.name in self._reported_exits or p.state in SWARM_ENDED:
+            return
+        self._reported_exits.add(p.name)
+        mark_dead(p)
+        code = p.popen.returncode
+        if crashed(code):
+            self.crashes += 1
+        if announced:
+            return
+        self.metrics.poll([p])  # its last records: a fault's record is flushed just before its SIGKILL
+        fault = fault_fired(self.metrics.records.get(p.name, []))
+        if fault is not None and code == -signal.SIGKILL:
+            where = ", ".join(f"{what} {fault[k]}" for k, what in (("point", "at"), ("iteration", "iteration"),
+                                                                    ("index", "microbatch"))
+                              if fault.get(k) not in (None, ""))
+            self.say(f"node {p.name} crashed: its scripted fault fired ({where or 'at its time'})")
+        elif code < 0:
+            self.say(f"node {p.name} was killed by {signal.Signals(-code).name}")
+        else:
+            reason = (read_status(p.dir / STATUS_FILE) or {}).get("stop_reason") or "no reason recorded"
+            self.say(f"node {p.name} exited with code {code}: {reason}")
 
     def _churn(self, new_rows: list[dict[str, Any]]) -> None:
         done = self.metrics.next_iteration
@@ -483,6 +515,26 @@ class Swarm:
     def stalled(self) -> list[int]:
         """Stages with no live active node right now (see `status.stalled_stages`)."""
         return stalled_stages(self.table_rows(), self.cfg.model.stages)
+
+
+SWARM_ENDED = frozenset({"killed", "stopped"})  # `ProcessGroup.kill` / `.stop`: the swarm ended the node
+
+
+def crashed(returncode: int) -> bool:
+    """Did a node process that ended by itself (not by the swarm: `SWARM_ENDED`) crash? Any
+    signal (a scripted fault's SIGKILL of itself, a kill -9 from outside, the OOM killer) or a
+    non-zero exit code (an error, or a node that gave up: evicted, partitioned, a failed
+    compute) is a crash; exit 0 (training finished, or a graceful leave) is not."""
+    return returncode != 0
+
+
+def fault_fired(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The node's `fault` record of a crash (its scripted fault fired: the node then SIGKILLs
+    itself, right after flushing that record), or None."""
+    for row in reversed(records):
+        if row.get("event") == RecordName.FAULT and row.get("action") == "crash":
+            return row
+    return None
 
 
 def served(records: list[dict[str, Any]]) -> bool:
