@@ -6,7 +6,9 @@ attacker runs. (1) The attacks of issue 14: a 1 MiB msgpack header of ~1M empty 
 declared 256 MiB body (16 MiB of it sent), an oversized handshake message, junk after a real
 first handshake message, over and over on new connections: the node's memory stays within a few
 MiB and its round trips within a few ms. (2) 1,000 unauthenticated connections held open (and
-reopened when dropped): an authenticated peer from the same address still connects and sends.
+reopened when dropped): an authenticated peer from the same address still connects and sends, and
+the flood is seen to reach the node (all 1,000 connect, the node holds at least one host's cap of
+them, and the ones it drops are reopened).
 """
 
 from __future__ import annotations
@@ -66,32 +68,52 @@ print("ATTACKS", done, flush=True)
 '''
 
 HOLD = r'''
-import selectors, socket, sys, time
+import errno, selectors, signal, socket, sys, time
 host, port, n, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 sel = selectors.DefaultSelector()
+count = {"CONNECTED": 0, "REOPENED": 0, "FAILED": 0}
 def open_one():
     s = socket.socket()
     s.setblocking(False)
-    s.connect_ex((host, port))
-    sel.register(s, selectors.EVENT_READ)
+    if s.connect_ex((host, port)) not in (0, errno.EINPROGRESS):
+        count["FAILED"] += 1
+        s.close()
+        return
+    sel.register(s, selectors.EVENT_WRITE)  # writable once the TCP connect has completed or failed
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # the test is done: print the counts
 for _ in range(n):
     open_one()
 print("READY", flush=True)
-reopened, end = 0, time.monotonic() + seconds
-while time.monotonic() < end:
+end = time.monotonic() + seconds
+while not stop and time.monotonic() < end:
     for key, _ in sel.select(timeout=0.05):
         s = key.fileobj
-        try:
-            data = s.recv(4096)
-        except OSError:
+        if key.events == selectors.EVENT_WRITE:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                count["CONNECTED"] += 1
+                sel.modify(s, selectors.EVENT_READ)  # held open, idle, until the node drops it
+                continue
+            count["FAILED"] += 1
             data = b""
-        if not data:  # dropped by the node: open another one
+        else:
+            try:
+                data = s.recv(4096)
+            except OSError:
+                data = b""
+            count["REOPENED"] += not data
+        if not data:  # refused, or dropped by the node: open another one
             sel.unregister(s)
             s.close()
             open_one()
-            reopened += 1
-print("REOPENED", reopened, flush=True)
+print(" ".join(f"{k} {v}" for k, v in count.items()), flush=True)
 '''
+
+
+def _counts(out: str) -> dict[str, int]:
+    """The attacker's last line, `NAME n NAME n ...`, as a dict."""
+    words = out.split()
+    return {words[i]: int(words[i + 1]) for i in range(0, len(words) - 1, 2) if words[i].isupper()}
 
 
 def _attacker(script: str, *args: object) -> subprocess.Popen[str]:
@@ -165,7 +187,7 @@ def test_pre_auth_attacks_cost_a_few_mib_and_a_few_ms(caplog: pytest.LogCaptureF
 @pytest.mark.timeout(90)
 def test_a_thousand_unauthenticated_connections_do_not_lock_out_an_honest_peer(
         caplog: pytest.LogCaptureFixture) -> None:
-    async def main() -> tuple[list[float], int, float]:
+    async def main() -> tuple[list[float], int, float, str]:
         got: asyncio.Queue[Message] = asyncio.Queue()
         node = Transport.with_new_key("node", SECRET, lambda p, m, t: got.put_nowait(m), registry=REG)
         addr = await node.start("127.0.0.1", 0)
@@ -185,16 +207,26 @@ def test_a_thousand_unauthenticated_connections_do_not_lock_out_an_honest_peer(
                 times.append(time.perf_counter() - t0)
                 await honest.close()
         finally:
-            proc.kill()
-            proc.communicate(timeout=10)
+            proc.terminate()  # the flood stops, prints its counts and exits
+            try:
+                out = proc.communicate(timeout=10)[0]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
             await node.close()
-        return times, worst, (peak - base) / 2**20
+        return times, worst, (peak - base) / 2**20, out
 
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        times, worst, grew_mib = asyncio.run(asyncio.wait_for(main(), 60))
+        times, worst, grew_mib, out = asyncio.run(asyncio.wait_for(main(), 60))
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    flood = _counts(out)
     print(f"honest connect+send under the flood: {', '.join(f'{t * 1e3:.0f} ms' for t in times)}; "
-          f"unauthenticated held (sampled) {worst}; rss +{grew_mib:.1f} MiB; {len(lines)} log lines")
+          f"unauthenticated held (sampled) {worst}; flood {flood}; rss +{grew_mib:.1f} MiB; {len(lines)} log lines")
+    # the flood really reached the node: its 1,000 connections were made, the node held at least one
+    # host's share of them, and it dropped the excess, which the flood reopened
+    assert flood.get("CONNECTED", 0) >= 1000, (flood, out)
+    assert worst >= Transport.MAX_UNAUTHENTICATED_PER_HOST, worst
+    assert flood.get("REOPENED", 0) >= 1000 - Transport.MAX_UNAUTHENTICATED_PER_HOST, flood
     assert max(times) < 2.0
     assert worst <= Transport.HARD_CAP_FACTOR * Transport.MAX_UNAUTHENTICATED  # the hard cap held
     assert grew_mib < 16.0

@@ -71,7 +71,7 @@ def test_fault_schedules_with_frequent_rebalancing_keep_every_invariant(first: i
     assert moved >= 5, f"only {moved} moves in 40 schedules: the test does not exercise rebalancing"
 
 
-@pytest.mark.slow  # about 30 s: the module fixture trains the reference and a no-churn run
+@pytest.mark.slow  # about 3 s: the module fixture trains the reference and a no-churn run
 def test_a_relay_moving_mid_training_keeps_real_tensors_exactly_once(setup: rt.Setup) -> None:
     """Real tensors: with a period of one iteration and min gain 0, a relay of the test instance
     leaves its stage at iteration 1 to move (its in-flight work is recovered by the others) and

@@ -236,7 +236,7 @@ def test_snapshot_check_names_the_overfull_node() -> None:
         sim._check_snapshot([(inst.by_stage[0][0], relay), (inst.by_stage[0][1], relay)])
 
 
-@pytest.mark.slow  # about 10 s
+@pytest.mark.slow  # about 6 s
 def test_no_half_route_is_left_at_a_relay_that_died_mid_exchange() -> None:
     """Regression (issue 17): `gwtf route --nodes 200 --stages 8 --data-holders 16 --seed 1002
     --crash-fraction 0.1` stayed at flow 227 of 228 for good: an exchange's tombstone pointed at
@@ -284,7 +284,7 @@ def test_load_aware_routing_converges_to_the_load_aware_optimum() -> None:
     assert sums[False] >= 1.10 * bound
 
 
-@pytest.mark.slow  # about 6 s
+@pytest.mark.slow  # under 1 s
 def test_claims_on_geo12_keep_every_route_whole_through_data_holder_trades() -> None:
     """Regression (issue 17, the rename race of docs/flow-protocol.md "Known gaps"): with claims
     on, geo12 N=60 seed 3007 stopped a route short (100 of 101): a data holder traded its route
