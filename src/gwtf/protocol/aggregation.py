@@ -208,7 +208,7 @@ class Aggregation:
         self.reported = False
         out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.node.me.id, iteration=msg.iteration)]
         if self.node.me.stage == 0:
-            out += self.node.plane.dh_start_iteration(now)
+            out += self.node.plane.dh_start_iteration(msg.extra, now)
         pending, self.node.plane.pending_fwd = self.node.plane.pending_fwd, []
         for s, m in pending:
             out += self.node.plane.on_forward(s, m, now)

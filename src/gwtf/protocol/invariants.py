@@ -9,6 +9,9 @@ there are none.
    microbatch twice, and names only microbatches that were started. Every data holder that
    started microbatches in the iteration and was alive at the decision is in the expected set,
    with all the microbatches it started (a crashed DH's microbatches are dropped and counted).
+   The batch's data is trained once: no two microbatches of a decision train the same (shard,
+   index) of the iteration (`mb_start`'s `data`: a vacant shard's microbatches are served by
+   other data holders, `protocol.hold_batch`).
 2. Same weights: all replicas of a stage step iteration t with the same round and contributors
    and reach version t+1 (a replica that stepped otherwise and then died does not count: its
    state died with it).
@@ -42,6 +45,8 @@ class InvariantChecker:
         self.epoch = 0  # bumps on every rollback: an iteration may then run again
         self.dead_at: dict[str, float] = {}
         self.started: dict[tuple[int, int], dict[str, set[int]]] = {}
+        # (epoch, iteration) -> (data holder, n) -> the batch's (shard, index) its microbatch n trains
+        self.data: dict[tuple[int, int], dict[tuple[str, int], tuple[int, int]]] = {}
         self.decisions: dict[tuple[int, int, int, int], dict[str, Any]] = {}
         self.applied: dict[tuple[int, int, int], tuple[int, tuple[str, ...], set[str]]] = {}
         self.last_progress_s = 0.0
@@ -61,6 +66,9 @@ class InvariantChecker:
         if event == "mb_start":
             mb = f["mb"]
             self.started.setdefault((self.epoch, mb[1]), {}).setdefault(mb[0], set()).add(mb[2])
+            data = f.get("data")
+            if data is not None and data[0] >= 0:
+                self.data.setdefault((self.epoch, mb[1]), {})[(mb[0], mb[2])] = (int(data[0]), int(data[1]))
         elif event == "decision":
             key = (self.epoch, f["iteration"], f["round"], f["stage"])
             self.decisions[key] = {"time": now, "contributions": f["contributions"], "expected": f["expected"]}
@@ -120,6 +128,15 @@ class InvariantChecker:
                 if mb in seen:
                     self.violate(f"twice: {mb} at stage {stage} iteration {it} by {seen[mb]} and {rep}")
                 seen[mb] = rep
+        data = self.data.get((self.epoch, it), {})
+        trained: dict[tuple[int, int], tuple[str, int]] = {}
+        for mb in seen:  # the batch's (shard, index): at most once per stage, whoever served it
+            what = data.get(mb)
+            if what is not None:
+                if what in trained:
+                    self.violate(f"data_twice: shard {what[0]} index {what[1]} at stage {stage} iteration {it} "
+                                 f"as {trained[what]} and {mb}")
+                trained[what] = mb
         started = self.started.get((self.epoch, it), {})
         for mb in seen:
             if mb[1] not in started.get(mb[0], set()):

@@ -89,6 +89,7 @@ class LeaderState:
     refetches: dict[NodeId, int] = field(default_factory=dict)  # joiner -> Refetches sent
     admitting: set[NodeId] = field(default_factory=set)  # joiners the held iteration start waits for
     admit_until_s: float = 0.0
+    extra: tuple[tuple[NodeId, int, int], ...] = ()  # this iteration's IterStart.extra (vacant shards dealt)
 
 
 class Coordinator:
@@ -161,10 +162,16 @@ class Coordinator:
             return out + [record(RecordName.ADMIT_HOLD, iteration=t, joiners=tuple(held), wait_s=round(wait_s, 3))]
         return out + self._begin(t, now)
 
+    def _iter_start(self, t: int) -> IterStart:
+        """Iteration `t`'s start, with the vacant shards' microbatches dealt to the live data
+        holders (`extra`, kept for a data holder activated during the iteration)."""
+        self.lead.extra = self.node.members.vacant_extras(t)
+        return IterStart(term=self.node.term, iteration=t, leader=self.node.me.id, extra=self.lead.extra)
+
     def _begin(self, t: int, now: float) -> list[Effect]:
         """Iteration `t` starts: every member hears IterStart."""
         self.lead.phase = Phase.RUN
-        out = self._broadcast(IterStart(term=self.node.term, iteration=t, leader=self.node.me.id), include_self=True)
+        out = self._broadcast(self._iter_start(t), include_self=True)
         every = self.node.policy.rebalance_every
         return out + (self.node.rebalance(now) if every > 0 and t % every == 0 else [])
 
@@ -240,7 +247,7 @@ class Coordinator:
             self.lead.phase = Phase.FINISHED
             return out + [record(RecordName.TRAINING_DONE, iterations=top)]
         self.lead.phase = Phase.RUN
-        out += self._broadcast(IterStart(term=self.node.term, iteration=top, leader=self.node.me.id), include_self=True)
+        out += self._broadcast(self._iter_start(top), include_self=True)
         for pid, r in sorted(reports.items()):
             if r.version == top and r.iteration == top:
                 out += self.on_report(pid, r, now)
@@ -417,9 +424,10 @@ class Coordinator:
         out += [self.node.send(p, up) for p in sorted(self.node.directory) if p not in (pid, self.node.me.id)]
         # a data holder activated while the others train trains this iteration too: it holds
         # version t, the weights iteration t runs on (its shard's microbatches are not lost to it)
+        # (with its shard dealt to the others this iteration it trains none of it, and reports so)
         start = self.lead.t if info.stage == 0 and self.lead.phase == Phase.RUN else NONE
         if pid != self.node.me.id:
-            out.append(self.node.send(pid, replace(up, start=start)))
+            out.append(self.node.send(pid, replace(up, start=start, extra=self.lead.extra if start != NONE else ())))
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
         listed = self.node.members.welcomed_with.pop(pid, frozenset(self.node.directory))

@@ -534,7 +534,8 @@ class Membership:
                                         version=self.node.version)]
             if msg.start != NONE and msg.start == self.node.version and self.node.me.stage == 0:
                 # a data holder activated mid-iteration: its IterStart went out before it was a member
-                out += self.node.agg.on_iter_start(sender, IterStart(term=msg.term, iteration=msg.start, leader=sender), now)
+                start = IterStart(term=msg.term, iteration=msg.start, leader=sender, extra=msg.extra)
+                out += self.node.agg.on_iter_start(sender, start, now)
             return out
         if self.keeps(p):
             self._dir_set(p)
@@ -627,6 +628,20 @@ class Membership:
         held.update(s for j, s in self.pending_shard.items()
                     if self.pending_stage.get(j, (NONE, 0))[0] == 0 and j not in self.node.directory)
         return [s for s in range(self.node.train.data_holders) if s not in held]
+
+    def vacant_extras(self, t: int) -> tuple[tuple[NodeId, int, int], ...]:
+        """Leader, at iteration `t`'s start: every microbatch (shard, index) of a shard no live data
+        holder serves, dealt round-robin (from an offset that turns with t) to the live data
+        holders in id order, so the iteration trains the whole global batch, D x M
+        (`protocol.hold_batch`; DESIGN.md 3, the batch belongs to the swarm). Pending joiners do
+        not serve yet. None while some data holder's shard is unknown (-1)."""
+        dhs = sorted(self.node.data_holders())
+        if not self.node.cfg.hold_batch or not dhs or any(self.node.directory[p].shard < 0 for p in dhs):
+            return ()
+        held = {self.node.directory[p].shard for p in dhs}
+        todo = [(s, i) for s in range(self.node.train.data_holders) if s not in held
+                for i in range(self.node.train.microbatches)]
+        return tuple((dhs[(t + k) % len(dhs)], s, i) for k, (s, i) in enumerate(todo))
 
     def join_assignment(self, msg: JoinRequest, util: tuple[float, ...]) -> tuple[int, int]:
         """Leader: (stage, shard) for a joiner (DESIGN.md 5, data holder crash). The stage it must

@@ -52,6 +52,7 @@ class Compute:
     outputs: tuple[TensorKey, ...] = ()
     size_bytes: int = 0  # state/checkpoint transfers: bytes read or written
     count: int = 0  # "reduce": the total microbatch count the summed gradient is divided by
+    data: tuple[int, int] = (NONE, NONE)  # "embed": the (shard, index) of the batch it trains (NONE: own, mb's)
 
 
 @fast_init
@@ -278,6 +279,7 @@ class MemberUp(Message):
     term: int
     peer: PeerTuple
     start: int = NONE  # to the data holder activated: the iteration it trains now (NONE: the next IterStart)
+    extra: tuple[tuple[NodeId, int, int], ...] = ()  # with start: that iteration's IterStart.extra
 
 
 @message
@@ -390,6 +392,9 @@ class IterStart(Message):
     term: int
     iteration: int
     leader: NodeId
+    # the vacant shards' microbatches of this iteration: (data holder, shard, index), each served
+    # by that live data holder besides its own shard (protocol.hold_batch)
+    extra: tuple[tuple[NodeId, int, int], ...] = ()
 
 
 @message

@@ -21,6 +21,7 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gwtf.protocol import messages as msgs
@@ -70,6 +71,7 @@ class DataPlane:
         self.pending_acks: list[Send] = []
         # the data holder's progress in the current iteration
         self.dh_started = 0
+        self.dh_data: list[tuple[int, int]] = []  # the batch's (shard, index) of its microbatch n, n = 0, 1, ...
         self.rt_ema_s = 0.0
 
     def clear_iteration(self) -> None:
@@ -96,24 +98,32 @@ class DataPlane:
 
     # ---- data holder: start -----------------------------------------------------------
 
-    def dh_start_iteration(self, now: float) -> list[Effect]:
+    def dh_start_iteration(self, extra: Sequence[tuple[NodeId, int, int]], now: float) -> list[Effect]:
+        """The iteration's microbatches: our shard's M, unless the leader dealt our shard to the
+        others (we were activated during this iteration), then the vacant shards' microbatches
+        `extra` deals to us. With none at all we report done at once."""
         self.dh_started = 0
-        return self._dh_fill(now)
+        me = self.node.me
+        given = me.shard >= 0 and any(s == me.shard for _, s, _ in extra)
+        self.dh_data = [] if given else [(me.shard, i) for i in range(self.node.train.microbatches)]
+        self.dh_data += [(s, i) for dh, s, i in extra if dh == me.id]
+        return self._dh_progress(now)
 
     def _dh_fill(self, now: float) -> list[Effect]:
         out: list[Effect] = []
         cap = max(1, min(self.node.me.capacity, self.node.train.microbatches))
         inflight = sum(1 for o in self.origins.values() if not self._finished(o))
-        while self.dh_started < self.node.train.microbatches and inflight < cap:
+        while self.dh_started < len(self.dh_data) and inflight < cap:
             mb = (self.node.me.id, self.node.iteration, self.dh_started)
+            data = self.dh_data[self.dh_started]
             self.dh_started += 1
             inflight += 1
             o = Origin(mb=mb, out_key=self.mb_key("act", mb, mb[2]), started_at=now)
             self.origins[mb] = o
-            out.append(record(RecordName.MB_START, mb=mb, node=self.node.me.id))
+            out.append(record(RecordName.MB_START, mb=mb, node=self.node.me.id, data=data))
             flops = EMBED * self.node.train.stage_flops[0]
             out.append(Compute(self.node.job(ComputeKind.EMBED, mb), ComputeKind.EMBED, 0, mb, flops, (),
-                               (o.out_key,)))
+                               (o.out_key,), data=data))
             out.append(self.node.timer(("mb", mb), self._mb_deadline_s(), now))
         return out
 
@@ -126,7 +136,7 @@ class DataPlane:
 
     def _dh_progress(self, now: float) -> list[Effect]:
         out = self._dh_fill(now)
-        if self.dh_started >= self.node.train.microbatches and all(self._finished(o) for o in self.origins.values()):
+        if self.dh_started >= len(self.dh_data) and all(self._finished(o) for o in self.origins.values()):
             out += self.node.agg.dh_done(now)
         return out
 

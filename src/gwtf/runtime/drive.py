@@ -350,7 +350,9 @@ class Host:
         match kind:
             case ComputeKind.EMBED:
                 assert eff.mb is not None
-                tokens = w.embed(eff.mb, eff.mb[1], eff.mb[2], outs[0])
+                shard, index = eff.data  # another (vacant) shard's microbatch, or our own: NONE, mb's index
+                tokens = w.embed(eff.mb, eff.mb[1], eff.mb[2] if index < 0 else index, outs[0],
+                                 shard=None if shard < 0 else shard)
                 out.records.append((RecordName.TOKENS, {"iteration": eff.mb[1], "index": eff.mb[2], "tokens": tokens}))
             case ComputeKind.FORWARD:
                 w.forward(outs[0], ins[0], outs[0])

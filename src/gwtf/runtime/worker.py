@@ -113,14 +113,16 @@ class StageWorker:
 
     # -- compute jobs -------------------------------------------------------------------------
 
-    def embed(self, mb: Hashable, iteration: int, index: int, out_key: TensorKey) -> int:
-        """Data holder: tokens of microbatch (shard, iteration, index) -> activation `out_key`.
+    def embed(self, mb: Hashable, iteration: int, index: int, out_key: TensorKey, shard: int | None = None) -> int:
+        """Data holder: tokens of microbatch (shard, iteration, index) -> activation `out_key`;
+        `shard` None: this data holder's own (another is a vacant shard it serves too).
 
         Returns the number of tokens in the microbatch.
         """
         first = self._first()
-        assert self.dataset is not None and self.shard is not None, "embed needs a data holder's dataset"
-        tokens, targets = self.dataset.microbatch(self.shard, iteration, index)
+        shard = self.shard if shard is None else shard
+        assert self.dataset is not None and shard is not None, "embed needs a data holder's dataset"
+        tokens, targets = self.dataset.microbatch(shard, iteration, index)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         with self._autocast():
             out = first.embed(tokens)

@@ -60,7 +60,18 @@ def _crash_d1_then_join(cfg: ProtocolConfig | None = None) -> tuple[Harness, flo
     return h, crashed_at
 
 
-def test_a_joiner_takes_the_crashed_data_holders_shard_and_trains_it() -> None:
+def _trained_data(h: Harness) -> dict[int, list[tuple[int, int]]]:
+    """Iteration -> the batch's (shard, index) of every microbatch in stage 0's last decision."""
+    data = {tuple(f["mb"]): tuple(f["data"]) for f in h.events("mb_start")}
+    last: dict[int, dict[str, object]] = {}
+    for f in h.events("decision"):
+        if f["stage"] == 0:
+            last[f["iteration"]] = f
+    return {t: sorted(data[(dh, t, n)] for mbs in f["contributions"].values() for dh, n in mbs)  # type: ignore[attr-defined]
+            for t, f in sorted(last.items())}
+
+
+def test_a_joiner_takes_the_crashed_data_holders_shard_and_the_batch_is_held_meanwhile() -> None:
     h, crashed_at = _crash_d1_then_join()
     (w,) = _welcomes(h, "j0")
     assert (w.stage, w.shard) == (0, 1), (w.stage, w.shard)  # d1 served shard 1
@@ -69,22 +80,37 @@ def test_a_joiner_takes_the_crashed_data_holders_shard_and_trains_it() -> None:
     assert [c.kind for n, c in h.computes if n == "j0"][0] == "import_state"  # stage 0 from d0
     assert h.events("training_done"), "the swarm did not finish after the data holder was replaced"
     first = h.events("activated")[0]["version"]
-    trained = _started_by(h, "j0")
-    assert trained == set(range(first, ITERATIONS)), (first, sorted(trained))
-    # every iteration from the joiner's on trains the full batch again: D x M microbatches
-    for t in range(first, ITERATIONS):
-        assert len({f["mb"] for f in h.events("mb_start") if f["mb"][1] == t}) == 2 * SHARDED.microbatches
+    # activated during iteration `first`, whose shard-1 microbatches d0 serves: it trains from the next
+    assert _started_by(h, "j0") == set(range(first + 1, ITERATIONS)), (first, sorted(_started_by(h, "j0")))
+    whole = sorted((s, i) for s in range(2) for i in range(SHARDED.microbatches))
+    trained = _trained_data(h)
+    short = [t for t, d in trained.items() if d != whole]
+    assert len(short) <= 1, {t: trained[t] for t in short}  # at most the crash's own iteration
+    held = [t for t in range(first + 1) if trained[t] == whole and not any(
+        f["mb"][0] == "d1" and f["mb"][1] == t for f in h.events("mb_start"))]
+    assert held, "no iteration without d1 trained shard 1 (served by d0)"
     chk = _checked(h, {"d1": crashed_at})
     assert chk.violations == [], chk.violations
     assert {c.version for c in h.cores.values()} == {ITERATIONS}
 
 
-def test_without_data_holder_joins_the_joiner_is_a_relay_and_the_shard_stays_vacant() -> None:
-    h, crashed_at = _crash_d1_then_join(ProtocolConfig(data_holder_joins=False))
+def test_without_holding_the_batch_a_data_holder_activated_mid_iteration_trains_it() -> None:
+    h, crashed_at = _crash_d1_then_join(ProtocolConfig(hold_batch=False))
+    assert h.cores["j0"].me.stage == 0 and h.events("training_done")
+    first = h.events("activated")[0]["version"]
+    # its own MemberUp (start = first) stands for the IterStart it missed: without it the leader
+    # waited for its report for good
+    assert _started_by(h, "j0") == set(range(first, ITERATIONS)), (first, sorted(_started_by(h, "j0")))
+    assert _checked(h, {"d1": crashed_at}).violations == []
+
+
+def test_the_papers_behaviour_the_joiner_is_a_relay_and_the_shard_stays_vacant() -> None:
+    h, crashed_at = _crash_d1_then_join(ProtocolConfig(data_holder_joins=False, hold_batch=False))
     (w,) = _welcomes(h, "j0")
     assert w.stage >= 1 and w.shard == m.NONE
     assert h.cores["j0"].me.stage >= 1 and not _started_by(h, "j0")
     assert h.events("training_done")
+    assert _trained_data(h)[ITERATIONS - 1] == [(0, i) for i in range(SHARDED.microbatches)]
     assert _checked(h, {"d1": crashed_at}).violations == []
 
 
