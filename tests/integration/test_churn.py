@@ -3,9 +3,9 @@ noticed within ~2 s): every run must finish, every joiner must serve, the ledger
 simulator's invariant checker replayed over the node records: exactly once, identical steps, one
 leader per term) must be clean.
 
-Cases: `--churn high` (a relay killed and a joiner started every 8 of 40 iterations) on 5 seeds;
-two joiners at once; the leader and a relay killed at once (an election under load); both
-replicas of a stage killed, a joiner arriving later restores the stage from the checkpoint (on
+Cases: `--churn high` (a node killed, a relay, a data holder or the leader, and a joiner started
+every 8 of 40 iterations) on 5 seeds; two joiners at once; the leader and a relay killed at once
+(an election under load); both replicas of a stage killed, a joiner arriving later restores the stage from the checkpoint (on
 the shared disk of one host, and from a data holder's copy when every node has its own disk);
 the state source of a joiner killed as it exports the state.
 """

@@ -114,7 +114,7 @@ def test_a_slowed_host_sleeps_the_slowdown_and_measures_it(tmp_path: Path) -> No
 def _args(*slow: str) -> argparse.Namespace:
     return argparse.Namespace(overrides=["model.stages=2"], iterations=None, data_holders=None, stages=None,
                               wan=None, config=CONFIG, secret_file=None, replicas=2, timeout_s=0.0, out="x",
-                              churn="none", resume=False, slow=list(slow), faults=[])
+                              churn="none", churn_spare="none", resume=False, slow=list(slow), faults=[])
 
 
 def test_swarm_slow_flag_slows_that_node_s_process_only() -> None:

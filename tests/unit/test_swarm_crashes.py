@@ -90,7 +90,7 @@ def test_every_crash_is_counted_once_whatever_killed_the_node(tmp_path: Path,
             p.state = "killed"
 
         monkeypatch.setattr(swarm.group, "kill", kill)
-        victim = swarm.kill_random_relay()
+        victim = swarm.kill_random_node()
         assert victim is not None and victim.name in ("r1b", "r1c") and swarm.crashes == 3
         survivor = next(p for p in relays[1:] if p is not victim)
         _end(survivor, 0)  # training finished: no crash

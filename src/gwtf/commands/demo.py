@@ -2,8 +2,11 @@
 
 Owns the demo's embedded config (the same as configs/swarm-demo.toml: 2 data holders, stages 1
 and 2 with 2 replicas each, tiny GPT on Shakespeare, 300 iterations, low churn = one kill -9 and
-one joiner) and its few flags. It writes that config to DIR/demo.toml, starts the swarm through
-`gwtf swarm`'s loop (live table), and prints where the outputs are.
+one joiner) and its few flags. Its churn's first kill is scripted to be a data holder's (the
+leader or the other one, as the seed picks: `SwarmOptions.churn_roles`), so the demo shows a
+joiner take the vacant data shard; later kills (`--churn high`) pick any node. It writes that
+config to DIR/demo.toml, starts the swarm through `gwtf swarm`'s loop (live table), and prints
+where the outputs are.
 
 Output folder: the default `runs/demo` is the demo's own: a re-run replaces an earlier demo's
 outputs there (recognised by its demo.toml), so the README's first command works every time. Any
@@ -33,6 +36,7 @@ from gwtf.errors import UserError
 __all__ = ["DEFAULT_OUT", "DEMO_TOML", "add_arguments", "run"]
 
 DEFAULT_OUT = "runs/demo"
+DEMO_CHURN_ROLES = ("data-holder",)  # the first kill's victim is a data holder (a joiner replaces it)
 
 DEMO_TOML = """\
 # gwtf demo: embedded defaults (same as configs/swarm-demo.toml)
@@ -78,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                         help=f"output folder (default: {DEFAULT_OUT}, replaced on every run)")
     parser.add_argument("--churn", choices=("none", "low", "high"), default="low",
-                        help="low (default): one kill -9 and one joiner")
+                        help="low (default): one kill -9 of a data holder and one joiner that replaces it; "
+                             "high: the first kill a data holder's, then any node's")
     parser.add_argument("--iterations", type=int, metavar="K", help="shorthand for --set train.iterations=K")
     parser.add_argument("--timeout-s", type=float, default=900.0, metavar="S", help="give up after S seconds (default 900)")
     add_device_argument(parser)
@@ -112,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     base.write_text(DEMO_TOML, encoding="utf-8")
     config_path = args.config or str(base)
     opts = SwarmOptions(out_dir=out, replicas=2, churn=args.churn, timeout_s=args.timeout_s,
-                        config_path=config_path, overrides=tuple(overrides))
+                        config_path=config_path, overrides=tuple(overrides), churn_roles=DEMO_CHURN_ROLES)
     code = run_swarm(cfg, opts, title="gwtf demo")
     print(f"demo outputs: {out}/metrics.jsonl (per-iteration loss), {out}/loss.png, "
           f"{out}/nodes/<node>/ (stdout.log, records.jsonl, status.json)")

@@ -1,6 +1,7 @@
 """`gwtf swarm`: a local swarm of node processes on loopback, with churn and a live table.
 
-Owns the command's flags (output folder, replicas per relay stage, churn level, WAN emulation,
+Owns the command's flags (output folder, replicas per relay stage, churn level and the nodes it
+spares, WAN emulation,
 iterations, overall timeout, device (= train.device, passed to each node), swarm secret file, per-node
 slowdowns and `--fault NODE=SPEC` chaos faults: checked before any node starts, passed to each)
 and the display loop: on a terminal a live rich table under a swarm-wide header (iteration X/K,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run", "run_swarm"]
 
 POLL_S = 0.2  # display / churn polling period
+CHURN_SPARE = ("none", "leader", "data-holders")  # = runtime.swarm.CHURN_SPARE (not imported: --help stays light)
 T = TypeVar("T")
 LOOPBACK = ("127.0.0.1",)  # every node of a local swarm listens here (and joins through a peer here)
 
@@ -56,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, metavar="S", help="shorthand for --set model.stages=S (incl. stage 0)")
     parser.add_argument("--replicas", type=int, default=2, metavar="R", help="replicas of every relay stage")
     parser.add_argument("--churn", choices=("none", "low", "high"), default="none",
-                        help="kill -9 relays at seeded random moments and start joiners")
+                        help="kill -9 random nodes (relays, data holders, the leader) at seeded random moments "
+                             "and start joiners")
+    parser.add_argument("--churn-spare", choices=CHURN_SPARE, default="none",
+                        help="nodes --churn never kills: none (default), the leader, or every data holder")
     parser.add_argument("--wan", metavar="NETWORK", help="emulate a WAN region table on loopback (e.g. geo10)")
     parser.add_argument("--iterations", type=int, metavar="K", help="shorthand for --set train.iterations=K")
     parser.add_argument("--resume", action="store_true",
@@ -97,7 +102,8 @@ def _options(args: argparse.Namespace) -> tuple[Config, object]:
     check_swarm_config(cfg)
     timeout_s = args.timeout_s or 120.0 + 30.0 * cfg.train.iterations
     opts = SwarmOptions(out_dir=Path(args.out), replicas=args.replicas, churn=args.churn, timeout_s=timeout_s,
-                        regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume)
+                        regions=regions, config_path=args.config, overrides=tuple(overrides), resume=args.resume,
+                        churn_spare=args.churn_spare)
     opts = replace(opts, slowdowns=parse_slowdowns(args.slow, cfg, opts),
                    faults=parse_node_faults(args.faults, cfg, opts))
     check_shared_fault(cfg, opts)
@@ -300,9 +306,22 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
     val = next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None)
     val_text = f", val loss {val:.4f}" if val is not None else ""
     print(f"done: {len(rows)} iterations{resumed}, loss {first:.4f} -> {last:.4f}{val_text}, crashes {swarm.crashes}, "
-          f"joins {swarm.joins} (joiners that served, of {len(swarm.joiners)} started); outputs in {opts.out_dir} "
-          "(metrics.jsonl, loss.png, nodes/)")
+          f"joins {swarm.joins} (joiners that served, of {len(swarm.joiners)} started){holders_text(swarm)}; "
+          f"outputs in {opts.out_dir} (metrics.jsonl, loss.png, nodes/)")
     return 0
+
+
+def holders_text(swarm: Any) -> str:
+    """The `done:` line's data holders churn killed and joiners that replaced one (stepped as a
+    data holder on the vacant shard): ", data holders killed 1 (dh1), replaced 1 (j1)"; "" when none."""
+    killed, replaced = swarm.holders_killed, swarm.holders_replaced
+    if not killed and not replaced:
+        return ""
+
+    def names(xs: list[str]) -> str:
+        return f" ({', '.join(xs)})" if xs else ""
+
+    return f", data holders killed {len(killed)}{names(killed)}, replaced {len(replaced)}{names(replaced)}"
 
 
 def _resolve_data(cfg: Config, opts: SwarmOptions, say: Callable[[str], None]) -> tuple[Config, SwarmOptions]:

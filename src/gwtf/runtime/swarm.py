@@ -1,9 +1,10 @@
 """A local swarm: the node processes of one run, churn injected into them, metrics read back.
 
 Owns: the initial node plan (data holders with their shards, R replicas of every relay stage),
-the seeded churn schedule (`--churn low|high`: kill -9 of relays at random moments, joiners
-started through a random live peer), the metrics of the whole swarm (`DIR/metrics.jsonl`, same
-fields as `gwtf train --local` (loss, tokens, tokens_per_s, lr, grad_norms: one pre-clip norm per
+the seeded churn schedule (`--churn low|high`: kill -9 of a random node at random moments, a
+relay, a data holder or the leader alike unless `--churn-spare` spares some, each followed by a
+joiner started through a random live peer: `Swarm.churn_victims`), the metrics of the whole
+swarm (`DIR/metrics.jsonl`, same fields as `gwtf train --local` (loss, tokens, tokens_per_s, lr, grad_norms: one pre-clip norm per
 stage, val_loss every `train.eval_every` iterations and at the last, from the checkpoints:
 `runtime.validation`) plus crashes, joins, microbatches_redone (redo records: in flight and at
 aggregation), microbatches_rerouted (forwards resent to another replica after a crash) and
@@ -70,6 +71,14 @@ class SwarmOptions:
     faults: dict[str, str] = field(default_factory=dict)  # node name -> runtime.fault
     slowdowns: dict[str, float] = field(default_factory=dict)  # node name -> runtime.compute_slowdown
     resume: bool = False  # continue the run in out_dir from its newest complete checkpoint
+    churn_spare: str = "none"  # none | leader | data-holders: nodes the churn never kills (CHURN_SPARE)
+    # what the victim of each scheduled kill must be, in order ("data-holder", "relay" or "any");
+    # the kills past its end: any (`gwtf demo` scripts its first kill to be a data holder's)
+    churn_roles: tuple[str, ...] = ()
+
+
+CHURN_SPARE = ("none", "leader", "data-holders")
+CHURN_ROLES = ("any", "data-holder", "relay")
 
 
 def initial_plans(cfg: Config, opts: SwarmOptions) -> list[NodePlan]:
@@ -90,7 +99,7 @@ def initial_plans(cfg: Config, opts: SwarmOptions) -> list[NodePlan]:
 
 
 def churn_iterations(kind: str, iterations: int, rng: random.Random) -> list[int]:
-    """Iterations after whose completion a relay is killed (and a joiner started)."""
+    """Iterations after whose completion a node is killed (and a joiner started)."""
     if kind == "none" or iterations < 3:
         return []
     if kind == "low":
@@ -142,6 +151,7 @@ class SwarmMetrics:
         self.first = first
         self.next_iteration = first  # the next iteration to complete
         self.holder_from: dict[str, int] = {}  # a node -> the first iteration it stepped as a data holder (stage 0)
+        self.leader_terms: dict[int, str] = {}  # term -> the node that logged leading it (`leader_term`)
         self._time0 = float(self.rows[-1]["time_s"]) if self.rows else 0.0
         self.hashes: dict[tuple[int, int], dict[str, str]] = {}  # (iteration, stage) -> node -> hash
         self.records: dict[str, list[dict[str, Any]]] = {}
@@ -153,6 +163,8 @@ class SwarmMetrics:
             tail = self._tails.setdefault(p.name, JsonlTail(p.dir / RECORDS_FILE))
             for row in tail.read_new():
                 self.records.setdefault(p.name, []).append(row)
+                if row.get("event") == RecordName.LEADER_TERM and isinstance(row.get("term"), int):
+                    self.leader_terms[row["term"]] = p.name  # only the node that leads a term logs it
                 self._absorb(p, row)
 
     def _absorb(self, p: NodeProcess, row: dict[str, Any]) -> None:
@@ -231,6 +243,10 @@ class SwarmMetrics:
         if slot.waiting_since is None:
             slot.waiting_since = time.monotonic()
         return time.monotonic() - slot.waiting_since < EVAL_WAIT_S
+
+    def leader(self) -> str | None:
+        """The node that logged the newest term it leads (it may have died since), if any."""
+        return self.leader_terms[max(self.leader_terms)] if self.leader_terms else None
 
     @property
     def closed(self) -> bool:
@@ -314,11 +330,14 @@ class Swarm:
         self.rng = random.Random(cfg.train.seed + 7919)
         self.crashes = 0
         self.joiners: list[str] = []  # names of the joiners started, in order
+        self.churn_killed: list[tuple[str, int]] = []  # the churn's victims, in order: (name, stage)
+        self._holder_joiners: set[str] = set()  # joiners announced as data holders
         self._reported_exits: set[str] = set()
         self.started_s = time.monotonic()
         self._pending_kills = [k for k in churn_iterations(opts.churn, cfg.train.iterations, self.rng)
                                if k > self.first]
         self._kill_at_s: float | None = None
+        self._kills_due = 0  # scheduled kills whose moment came (the index into opts.churn_roles)
 
     def __enter__(self) -> Swarm:
         return self
@@ -363,7 +382,8 @@ class Swarm:
                 time.sleep(0.05)  # polling period of a bounded wait
 
     def join_node(self, stage: str = "auto") -> NodeProcess:
-        """Start a joiner (relay) through a random live node."""
+        """Start a joiner through a random live node (`--stage auto`: the leader makes it a data
+        holder on a vacant shard, else sends it to a relay stage)."""
         live = [p for p in self.group.live() if p.ready is not None]
         contact = self.rng.choice(live)
         name = f"j{len(self.joiners) + 1}"
@@ -377,28 +397,75 @@ class Swarm:
         """Joiners that served (activated, then contributed a microbatch)."""
         return sum(1 for name in self.joiners if served(self.metrics.records.get(name, [])))
 
-    def kill_random_relay(self) -> NodeProcess | None:
-        """kill -9 a relay that serves (it has contributed microbatches) and whose stage keeps at
-        least one other live, active replica (a joiner that is not active yet does not count:
-        killing the last active replica would lose the stage; one that has not served yet is
-        not a victim: a churn that kills joiners before they serve shows nothing)."""
-        live = [p for p in self.group.live() if p.plan.role == "relay" and p.ready is not None]
-        stage_of = {p.name: self.stage_of(p) for p in live}
+    @property
+    def holders_replaced(self) -> list[str]:
+        """Joiners that stepped as data holders (a vacant shard's new holder), in start order."""
+        return [name for name in self.joiners if name in self.metrics.holder_from]
+
+    def churn_victims(self, role: str = "any") -> list[NodeProcess]:
+        """The nodes a churn kill may pick now (by name; each as likely as another): every live,
+        active node that served (contributed microbatches to its stage: a relay forwarded them, a
+        data holder trained them) and whose stage keeps at least one other live, active node:
+        another replica of a relay stage, another data holder for stage 0 (a joiner that is not
+        active yet does not count: killing the last active replica would lose the stage, the last
+        data holder would pause training; one that has not served yet is not a victim: a churn
+        that kills joiners before they serve shows nothing). A data holder is a node at stage 0:
+        an initial one, or a joiner the leader gave a vacant shard; the leader (the node that
+        logged the newest `leader_term`) is one of them. `role`: "data-holder" or "relay" keeps
+        only those; `opts.churn_spare` drops the leader ("leader": every data holder while no live
+        node is known to lead, an election under way) or every data holder ("data-holders")."""
+        if role not in CHURN_ROLES:
+            raise ValueError(f"unknown churn role {role!r} ({', '.join(CHURN_ROLES)})")
+        spare = self.opts.churn_spare
+        if spare not in CHURN_SPARE:
+            raise ValueError(f"unknown churn spare {spare!r} ({', '.join(CHURN_SPARE)})")
+        live = [p for p in self.group.live() if p.ready is not None]
         status = {p.name: read_status(p.dir / STATUS_FILE) or {} for p in live}
         active = [p for p in live if status[p.name].get("state") == "active"]
-        victims = [p for p in active if int(status[p.name].get("microbatches") or 0) > 0
-                   and sum(1 for q in active if stage_of[q.name] == stage_of[p.name]) >= 2]
+        stage_of = {p.name: self._stage(p, status[p.name]) for p in active}
+        leader = self.metrics.leader()
+        leader_live = any(p.name == leader for p in live)
+        victims = []
+        for p in active:
+            stage = stage_of[p.name]
+            if stage is None or int(status[p.name].get("microbatches") or 0) <= 0:
+                continue
+            if sum(1 for q in active if stage_of[q.name] == stage) < 2:
+                continue
+            holder = stage == 0
+            if (role == "data-holder" and not holder) or (role == "relay" and holder):
+                continue
+            if holder and (spare == "data-holders" or (spare == "leader" and (p.name == leader or not leader_live))):
+                continue
+            victims.append(p)
+        return sorted(victims, key=lambda p: p.name)
+
+    def kill_random_node(self, role: str = "any") -> NodeProcess | None:
+        """kill -9 one of `churn_victims(role)`, chosen by the swarm's seeded rng (None: none)."""
+        victims = self.churn_victims(role)
         if not victims:
             return None
-        victim = self.rng.choice(sorted(victims, key=lambda p: p.name))
+        victim = self.rng.choice(victims)
+        stage = self.stage_of(victim)
+        assert stage is not None  # a victim is active at a known stage
         self.group.kill(victim)
         self.crashes += 1
+        self.churn_killed.append((victim.name, stage))
         return victim
 
+    @property
+    def holders_killed(self) -> list[str]:
+        """The churn's victims that were data holders (stage 0), in order."""
+        return [name for name, stage in self.churn_killed if stage == 0]
+
     def stage_of(self, p: NodeProcess) -> int | None:
-        status = read_status(p.dir / STATUS_FILE) or {}
+        return self._stage(p, read_status(p.dir / STATUS_FILE) or {})
+
+    @staticmethod
+    def _stage(p: NodeProcess, status: dict[str, Any]) -> int | None:
+        """The node's stage: its status file's, else its ready line's (None: not known yet)."""
         stage = status.get("stage", p.ready.get("stage") if p.ready else None)
-        return stage if isinstance(stage, int) else None
+        return stage if isinstance(stage, int) and stage >= 0 else None
 
     def step(self) -> list[dict[str, Any]]:
         """One poll: read records, notice (and count) nodes that died, emit finished iterations,
@@ -415,6 +482,11 @@ class Swarm:
             elif p.popen.poll() is not None:
                 self._exited(p)
         new = self.metrics.complete(procs, self.started_s, self.crashes, self.joins)
+        for name in self.holders_replaced:
+            if name not in self._holder_joiners:
+                self._holder_joiners.add(name)
+                self.say(f"churn: joiner {name} replaced a data holder (from iteration "
+                         f"{self.metrics.holder_from[name]})")
         self._churn(new)
         return new
 
@@ -450,13 +522,27 @@ class Swarm:
             last = rows[-1]["time_s"] - (rows[-2]["time_s"] if len(rows) > 1 else 0.0)
             self._kill_at_s = time.monotonic() + self.rng.uniform(0.1, 0.9) * max(0.05, last)
         if self._kill_at_s is not None and time.monotonic() >= self._kill_at_s:
-            self._pending_kills.pop(0)
             self._kill_at_s = None
-            victim = self.kill_random_relay()
-            if victim is not None:
-                self.say(f"churn: kill -9 {victim.name}")
-                joiner = self.join_node()
-                self.say(f"churn: joiner {joiner.name} started")
+            roles = self.opts.churn_roles
+            role = roles[self._kills_due] if self._kills_due < len(roles) else "any"
+            leader = self.metrics.leader()
+            victim = self.kill_random_node(role)
+            if victim is None and role != "any":
+                return  # a scripted victim's kill (a data holder, a relay) is tried again a moment later
+            self._pending_kills.pop(0)
+            self._kills_due += 1
+            if victim is None:
+                self.say(f"churn: no node may be killed after iteration {done} (none that served and whose "
+                         "stage keeps another active node); this kill is skipped")
+                return
+            stage = self.churn_killed[-1][1]
+            if stage == 0:
+                what = "data holder, the leader" if victim.name == leader else "data holder"
+            else:
+                what = f"relay, stage {stage}"
+            self.say(f"churn: kill -9 {victim.name} ({what})")
+            joiner = self.join_node()
+            self.say(f"churn: joiner {joiner.name} started")
 
     def run_until(self, iterations: int, timeout_s: float, poll_s: float = 0.05) -> bool:
         """Poll (records, churn) until `iterations` are complete and some replica of every stage
