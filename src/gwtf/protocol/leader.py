@@ -23,7 +23,7 @@ from gwtf.protocol.base import Message, NodeId, log
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import Effect
-from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, from_tuple, to_tuple
+from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, bottleneck_stage, from_tuple, to_tuple
 from gwtf.protocol.messages import (
     NONE,
     Collect,
@@ -412,6 +412,19 @@ class Coordinator:
         # a member is counted by the directory now: a pending assignment left behind would count
         # its capacity again once it dies (and hide a lost stage from the next joiner)
         self.node.members.pending_stage.pop(pid, None)
+        if info.stage == 0 and info.shard >= 0 and any(
+                p.stage == 0 and p.shard == info.shard for q, p in self.node.directory.items() if q != pid):
+            # its shard is served already: the leader that gave it died (its successor never knew
+            # of the assignment) or an operator named a shard in use. Another vacant shard, else
+            # it joins again (as a relay): two data holders of one shard train its data twice
+            vacant = self.node.members.vacant_shards()
+            if not vacant:
+                stage = bottleneck_stage(self.node.members.utilisation())
+                self.lead.waiting.discard(pid)
+                self.lead.reassigned[pid] = stage
+                return [record(RecordName.JOINER_REASSIGNED, node=pid, stage=stage),
+                        self.node.send(pid, Refetch(term=self.node.term, iteration=self.lead.t, stage=stage))]
+            info = replace(info, shard=vacant[0])
         if self.lead.phase == Phase.PAUSED and version != NONE and 0 < info.stage < self.node.S \
                 and not self._stage_members()[info.stage]:
             # it restores a lost stage: the swarm can roll back no later than the state it holds

@@ -528,6 +528,9 @@ class Membership:
         if p.id == self.node.me.id:
             if self.node.me.stage < 0 or p.stage != self.node.me.stage:
                 return []  # an activation for a stage we left (we were sent to join again)
+            if p.shard != self.node.me.shard:  # the leader gave us another vacant shard (ours was served)
+                self.node.me = replace(self.node.me, shard=p.shard)
+                self._dir_set(self.node.me)
             self.node.active = True
             self.node.iteration = self.node.version
             out: list[Effect] = [record(RecordName.ACTIVATED, node=self.node.me.id, stage=self.node.me.stage,

@@ -155,3 +155,31 @@ def test_a_joiner_that_wants_a_stage_gets_it() -> None:
     assert welcome("j0", 2) == (2, m.NONE)
     assert welcome("j1", 0, shard=0) == (0, 0)
     assert welcome("j2", 0) == (0, 1)
+
+
+def _ready(leader: NodeCore, name: str, shard: int, now: float) -> list[object]:
+    peer = (name, 0, "r", 0.1, 4, SHARDED.microbatches, shard)
+    return leader.on_message(name, m.Ready(stage=0, version=leader.version, peer=peer), now)  # type: ignore[no-any-return]
+
+
+def test_a_joiner_whose_shard_is_served_already_gets_another_or_joins_again() -> None:
+    """Found by a 48-hour run (seed 0, iteration 849: data_twice): a leader died after giving a
+    joiner a vacant shard, its successor never knew and gave the same shard to the next joiner;
+    both became data holders of it. The leader now checks the shard at activation."""
+    h = Harness(peers((3, 1, 1)), replace(SHARDED, data_holders=3))
+    h.start()
+    h.run(0.5)
+    leader = h.cores["d0"]
+    for pid in ("d1", "d2"):
+        leader.members.evict(pid, False, h.now)
+    _ready(leader, "j0", 1, h.now)
+    assert leader.directory["j0"].shard == 1
+    out = _ready(leader, "j1", 1, h.now)  # shard 1 again: j1 is given the vacant shard 2
+    assert leader.directory["j1"].shard == 2
+    (up,) = [e.msg for e in out if isinstance(e, Send) and e.to == "j1" and isinstance(e.msg, m.MemberUp)]
+    assert up.peer[6] == 2
+    out = _ready(leader, "j2", 2, h.now)  # no shard left: j2 joins again (a relay)
+    assert "j2" not in leader.directory
+    assert [e.msg.stage for e in out if isinstance(e, Send) and isinstance(e.msg, m.Refetch)] == [1]
+    shards = sorted(p.shard for p in leader.directory.values() if p.stage == 0)
+    assert shards == [0, 1, 2], shards
