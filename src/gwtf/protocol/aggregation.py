@@ -188,7 +188,9 @@ class Aggregation:
     # ---- replica side ------------------------------------------------------------------
 
     @handles(msgs.IterStart, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
-    def on_iter_start(self, sender: NodeId, msg: IterStart, now: float) -> list[Effect]:
+    def on_iter_start(self, sender: NodeId, msg: IterStart, now: float, own: bool | None = None) -> list[Effect]:
+        """`own`: whether a data holder trains its own shard (None: unless `msg.extra` deals it to
+        the others; a data holder activated mid-iteration is told, `MemberUp.own`)."""
         self.node.leader = msg.leader
         self.node.members.last_leader_s = now
         if not self.node.active or self.started_iter == msg.iteration:
@@ -208,7 +210,7 @@ class Aggregation:
         self.reported = False
         out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.node.me.id, iteration=msg.iteration)]
         if self.node.me.stage == 0:
-            out += self.node.plane.dh_start_iteration(msg.extra, now)
+            out += self.node.plane.dh_start_iteration(msg.extra, now, own)
         pending, self.node.plane.pending_fwd = self.node.plane.pending_fwd, []
         for s, m in pending:
             out += self.node.plane.on_forward(s, m, now)

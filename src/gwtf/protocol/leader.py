@@ -89,7 +89,7 @@ class LeaderState:
     refetches: dict[NodeId, int] = field(default_factory=dict)  # joiner -> Refetches sent
     admitting: set[NodeId] = field(default_factory=set)  # joiners the held iteration start waits for
     admit_until_s: float = 0.0
-    extra: tuple[tuple[NodeId, int, int], ...] = ()  # this iteration's IterStart.extra (vacant shards dealt)
+    lost_shards: set[int] = field(default_factory=set)  # shards whose data holder died during this iteration
 
 
 class Coordinator:
@@ -139,6 +139,7 @@ class Coordinator:
         self.lead.t = t
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
         self.lead.haves, self.lead.commit_set = set(), set()
+        self.lead.lost_shards = set()
         out: list[Effect] = [record(RecordName.ITER_START, iteration=t, members=len(self.node.directory))]
         held: list[NodeId] = []
         for j in sorted(self.lead.waiting):
@@ -163,10 +164,9 @@ class Coordinator:
         return out + self._begin(t, now)
 
     def _iter_start(self, t: int) -> IterStart:
-        """Iteration `t`'s start, with the vacant shards' microbatches dealt to the live data
-        holders (`extra`, kept for a data holder activated during the iteration)."""
-        self.lead.extra = self.node.members.vacant_extras(t)
-        return IterStart(term=self.node.term, iteration=t, leader=self.node.me.id, extra=self.lead.extra)
+        """Iteration `t`'s start, with the vacant shards' microbatches dealt to the live data holders."""
+        return IterStart(term=self.node.term, iteration=t, leader=self.node.me.id,
+                         extra=self.node.members.vacant_extras(t))
 
     def _begin(self, t: int, now: float) -> list[Effect]:
         """Iteration `t` starts: every member hears IterStart."""
@@ -351,7 +351,7 @@ class Coordinator:
 
     # ---- churn ------------------------------------------------------------------------
 
-    def on_member_dead(self, pid: NodeId, stage: int, now: float) -> list[Effect]:
+    def on_member_dead(self, pid: NodeId, stage: int, now: float, shard: int = NONE) -> list[Effect]:
         if not self.node.is_leader:
             return []
         self.lead.reports.pop(pid, None)
@@ -360,6 +360,7 @@ class Coordinator:
         out: list[Effect] = []
         if stage == 0 and self.lead.phase in (Phase.RUN, Phase.COLLECT, Phase.COMMIT, Phase.RECOVER):
             dropped = self.lead.expected.pop(pid, None)
+            self.lead.lost_shards.add(shard)
             out.append(record(RecordName.DH_LOST, node=pid, iteration=self.lead.t,
                               started=len(dropped) if dropped is not None else NONE))
         self.lead.pending.clear()
@@ -437,10 +438,13 @@ class Coordinator:
         out += [self.node.send(p, up) for p in sorted(self.node.directory) if p not in (pid, self.node.me.id)]
         # a data holder activated while the others train trains this iteration too: it holds
         # version t, the weights iteration t runs on (its shard's microbatches are not lost to it)
-        # (with its shard dealt to the others this iteration it trains none of it, and reports so)
+        # It trains its own shard at t only if no one else may hold any of it: with the batch held its
+        # shard was dealt to the others at t's start, or its last holder died during t (relays may
+        # hold contributions of that holder's microbatches of it); then it reports with none.
         start = self.lead.t if info.stage == 0 and self.lead.phase == Phase.RUN else NONE
+        own = start != NONE and not self.node.cfg.hold_batch and info.shard not in self.lead.lost_shards
         if pid != self.node.me.id:
-            out.append(self.node.send(pid, replace(up, start=start, extra=self.lead.extra if start != NONE else ())))
+            out.append(self.node.send(pid, replace(up, start=start, own=own)))
         # Members activated between this joiner's Welcome and now were announced before it was a
         # member, so it never heard of them (e.g. the relay a data holder should route to).
         listed = self.node.members.welcomed_with.pop(pid, frozenset(self.node.directory))

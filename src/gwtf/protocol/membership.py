@@ -511,7 +511,7 @@ class Membership:
             if successor:
                 self.vote_term, self.voted_for = self.node.term, self.node.me.id
                 out.append(record(RecordName.LEADER_TERM, node=self.node.me.id, term=self.node.term))
-        out += self.node.coord.on_member_dead(pid, info.stage, now)
+        out += self.node.coord.on_member_dead(pid, info.stage, now, info.shard)
         return out + (self.node.coord.become_leader(now) if successor else [])
 
     def _recover_rec(self, rec: Leg | Origin, ref: int | tuple[str, int, int], pid: NodeId,
@@ -537,8 +537,8 @@ class Membership:
                                         version=self.node.version)]
             if msg.start != NONE and msg.start == self.node.version and self.node.me.stage == 0:
                 # a data holder activated mid-iteration: its IterStart went out before it was a member
-                start = IterStart(term=msg.term, iteration=msg.start, leader=sender, extra=msg.extra)
-                out += self.node.agg.on_iter_start(sender, start, now)
+                start = IterStart(term=msg.term, iteration=msg.start, leader=sender)
+                out += self.node.agg.on_iter_start(sender, start, now, own=msg.own)
             return out
         if self.keeps(p):
             self._dir_set(p)

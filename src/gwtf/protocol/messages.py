@@ -279,7 +279,9 @@ class MemberUp(Message):
     term: int
     peer: PeerTuple
     start: int = NONE  # to the data holder activated: the iteration it trains now (NONE: the next IterStart)
-    extra: tuple[tuple[NodeId, int, int], ...] = ()  # with start: that iteration's IterStart.extra
+    # with start: it trains its own shard in that iteration too (false: the leader dealt the shard to the
+    # others at the iteration's start, or its last holder died during it, so relays may hold some of it)
+    own: bool = False
 
 
 @message

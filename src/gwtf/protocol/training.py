@@ -98,14 +98,16 @@ class DataPlane:
 
     # ---- data holder: start -----------------------------------------------------------
 
-    def dh_start_iteration(self, extra: Sequence[tuple[NodeId, int, int]], now: float) -> list[Effect]:
-        """The iteration's microbatches: our shard's M, unless the leader dealt our shard to the
-        others (we were activated during this iteration), then the vacant shards' microbatches
+    def dh_start_iteration(self, extra: Sequence[tuple[NodeId, int, int]], now: float,
+                           own: bool | None = None) -> list[Effect]:
+        """The iteration's microbatches: our shard's M (unless `own` is false, or, with `own`
+        None, the leader dealt our shard to the others), then the vacant shards' microbatches
         `extra` deals to us. With none at all we report done at once."""
         self.dh_started = 0
         me = self.node.me
-        given = me.shard >= 0 and any(s == me.shard for _, s, _ in extra)
-        self.dh_data = [] if given else [(me.shard, i) for i in range(self.node.train.microbatches)]
+        if own is None:
+            own = me.shard < 0 or not any(s == me.shard for _, s, _ in extra)
+        self.dh_data = [(me.shard, i) for i in range(self.node.train.microbatches)] if own else []
         self.dh_data += [(s, i) for dh, s, i in extra if dh == me.id]
         return self._dh_progress(now)
 
