@@ -112,3 +112,14 @@ def test_non_finite_gradient_is_rejected(setup: tuple[Config, TokenDataset, Mode
     bad[0] = float("inf")
     with pytest.raises(GradientRejected):
         w.step(0, [("x", bad, 1)])
+
+
+def test_a_reduction_without_contributions_is_a_zero_gradient(setup: tuple[Config, TokenDataset, ModelSpec]) -> None:
+    """High-churn seed 4 in real processes: the leader dh0 died in the iteration a joiner was made a
+    data holder (it trains its shard from the next one), so stage 0 committed no contribution; the
+    reducer stopped with 'reduction without contributions' and the swarm with it."""
+    cfg, _, spec = setup
+    a, b = StageWorker(cfg, spec, 1), StageWorker(cfg, spec, 1)
+    zero = a.reduce([], 0)
+    assert zero.shape == a.grads_flat().shape and not zero.any()
+    assert a.step(0, [("x", zero, 0)]) == b.step(0, [("x", torch.zeros_like(zero), 0)])

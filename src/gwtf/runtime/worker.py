@@ -200,7 +200,10 @@ class StageWorker:
             if reason is not None:
                 raise GradientRejected(f"gradient {i} of the reduction: {reason}")
         if not flats or count <= 0:
-            raise GradientRejected("reduction without contributions")
+            # nothing of this iteration's batch reached this stage alive (e.g. the data holder that
+            # trained it and the leader died together while the only other one had just joined):
+            # the protocol still commits and steps every replica alike, on a zero gradient
+            return torch.zeros_like(self.grads_flat())
         out = flats[0].detach().clone()
         for flat in flats[1:]:
             out.add_(flat)
