@@ -34,7 +34,9 @@ def test_fault_crashes_reach_progress_metrics_and_done(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
     crashes = [r["crashes"] for r in rows]
-    assert crashes == sorted(crashes) and crashes[0] == 0 and crashes[-1] == 2, crashes
+    # a row carries the crashes known when it is written: on a loaded box the rows of iterations 0-2
+    # can be written in one poll after dh1 died (CI: [1, 1, 1, 2, ...]), so row 0 may already say 1
+    assert crashes == sorted(crashes) and crashes[-1] == 2, crashes
     progress = [int(n) for n in re.findall(r"^iteration \d+/\d+ .* crashes (\d+) joins", proc.stderr, re.M)]
     assert progress and progress == sorted(progress) and set(progress) <= {0, 1, 2}, proc.stderr
     assert all(r["crashes"] >= 1 for r in rows[5:]), crashes  # dh1 died at its first embed of iteration 2
