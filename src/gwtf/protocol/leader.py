@@ -202,7 +202,7 @@ class Coordinator:
         """A stage was lost while joiners were pending at stages that still have replicas: send
         one per lost stage that no pending joiner takes over to join again (it is then assigned
         the lost stage, the bottleneck), instead of leaving the swarm paused with them waiting."""
-        pending = {j: st for j, (st, _) in self.node.members.pending_stage.items()
+        pending = {j: st for j, (st, _, _) in self.node.members.pending_stage.items()
                    if j not in self.node.directory}
         spare = sorted(j for j, st in pending.items() if st not in empty)
         out: list[Effect] = []
@@ -436,11 +436,11 @@ class Coordinator:
         out: list[Effect] = [record(RecordName.JOIN, node=pid, stage=info.stage, iteration=self.lead.t)]
         up = MemberUp(term=self.node.term, peer=to_tuple(info))
         out += [self.node.send(p, up) for p in sorted(self.node.directory) if p not in (pid, self.node.me.id)]
-        # a data holder activated while the others train trains this iteration too: it holds
-        # version t, the weights iteration t runs on (its shard's microbatches are not lost to it)
-        # It trains its own shard at t only if no one else may hold any of it: with the batch held its
-        # shard was dealt to the others at t's start, or its last holder died during t (relays may
-        # hold contributions of that holder's microbatches of it); then it reports with none.
+        # A data holder activated while the others train (it holds version t) takes part in
+        # iteration t at once: the leader waits for its report. It trains its own shard at t only
+        # if no one else may hold any of it: not with the batch held (the shard was dealt to the
+        # others at t's start), nor when its last holder died during t (relays may hold
+        # contributions of that holder's microbatches of it); then it reports with none.
         start = self.lead.t if info.stage == 0 and self.lead.phase == Phase.RUN else NONE
         own = start != NONE and not self.node.cfg.hold_batch and info.shard not in self.lead.lost_shards
         if pid != self.node.me.id:

@@ -87,8 +87,8 @@ class Membership:
         self.last_hb: dict[NodeId, float] = {}  # leader: member -> when its heartbeat came
         self.pending_joiners: set[NodeId] = set()  # leader: joiners admitted, not yet members
         self.welcomed_with: dict[NodeId, frozenset[NodeId]] = {}  # leader: members a joiner's Welcome listed
-        self.pending_stage: dict[NodeId, tuple[int, int]] = {}  # leader: joiner -> (assigned stage, capacity)
-        self.pending_shard: dict[NodeId, int] = {}  # leader: data-holder joiner -> its shard (while in pending_stage)
+        # leader: joiner -> (assigned stage, capacity, shard: a data holder's, else NONE)
+        self.pending_stage: dict[NodeId, tuple[int, int, int]] = {}
         self.probing: set[tuple[str, NodeId]] = set()
         self.votes: dict[int, dict[NodeId, float]] = {}  # candidate: term -> voter -> when last heard
         self.vote_failed: set[NodeId] = set()
@@ -618,9 +618,7 @@ class Membership:
         self.welcomed_with[joiner] = frozenset(self.node.directory)
         util = self.utilisation()
         stage, shard = self.join_assignment(msg, util)
-        self.pending_stage[joiner] = (stage, msg.peer[4])
-        if stage == 0:
-            self.pending_shard[joiner] = shard
+        self.pending_stage[joiner] = (stage, msg.peer[4], shard)
         welcome = Welcome(term=self.node.term, stage=stage, members=members, utilisation=util,
                           iteration=self.node.iteration, checkpoint_iteration=self.checkpoint_version(), shard=shard)
         return [self.node.send(joiner, welcome)]
@@ -628,8 +626,7 @@ class Membership:
     def vacant_shards(self) -> list[int]:
         """Leader: the data shards (0..D-1) no live data holder serves and no pending one was given."""
         held = {p.shard for p in self.node.directory.values() if p.stage == 0}
-        held.update(s for j, s in self.pending_shard.items()
-                    if self.pending_stage.get(j, (NONE, 0))[0] == 0 and j not in self.node.directory)
+        held.update(s for j, (st, _, s) in self.pending_stage.items() if st == 0 and j not in self.node.directory)
         return [s for s in range(self.node.train.data_holders) if s not in held]
 
     def vacant_extras(self, t: int) -> tuple[tuple[NodeId, int, int], ...]:
@@ -673,7 +670,7 @@ class Membership:
             cap[p.stage] += p.capacity
             if p.stage == 0:
                 demand += min(self.node.train.microbatches, p.capacity)
-        for pid, (stage, capacity) in self.pending_stage.items():
+        for pid, (stage, capacity, _) in self.pending_stage.items():
             if pid not in self.node.directory and 0 <= stage < self.node.S:
                 cap[stage] += capacity
         return tuple(demand / c if c else UNKNOWN_STAGE_LOAD for c in cap)

@@ -29,6 +29,13 @@ def _joiner(h: Harness, name: str, contact: str) -> NodeCore:
     return j
 
 
+def _ask(leader: NodeCore, name: str, now: float, want: int = m.NONE, shard: int = -1) -> m.Welcome:
+    """The leader's Welcome to joiner `name`'s JoinRequest."""
+    out = leader.on_message(name, m.JoinRequest(peer=(name, -1, "r", 0.1, 4, 0, shard), want=want), now)
+    (w,) = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, m.Welcome)]
+    return w
+
+
 def _welcomes(h: Harness, to: str) -> list[m.Welcome]:
     return [msg for _, dst, msg in h.sent if dst == to and isinstance(msg, m.Welcome)]
 
@@ -118,8 +125,7 @@ def test_a_full_complement_of_data_holders_sends_joiners_to_the_relay_stages() -
     h = Harness(peers((2, 1, 1)), SHARDED)
     h.start()
     h.run(0.5)
-    out = h.cores["d0"].on_message("j0", m.JoinRequest(peer=("j0", -1, "r", 0.1, 4, 0, -1)), h.now)
-    (w,) = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, m.Welcome)]
+    w = _ask(h.cores["d0"], "j0", h.now)
     assert w.stage >= 1 and w.shard == m.NONE
 
 
@@ -132,8 +138,7 @@ def test_joiners_arriving_together_fill_each_vacant_shard_once() -> None:
         leader.members.evict(pid, False, h.now)
     got = []
     for name in ("j0", "j1", "j2"):
-        out = leader.on_message(name, m.JoinRequest(peer=(name, -1, "r", 0.1, 4, 0, -1)), h.now)
-        (w,) = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, m.Welcome)]
+        w = _ask(leader, name, h.now)
         got.append((w.stage, w.shard))
     assert got[:2] == [(0, 1), (0, 2)] and got[2][0] >= 1 and got[2][1] == m.NONE, got
 
@@ -148,8 +153,7 @@ def test_a_joiner_that_wants_a_stage_gets_it() -> None:
     leader.members.evict("d1", False, h.now)
 
     def welcome(name: str, want: int, shard: int = -1) -> tuple[int, int]:
-        out = leader.on_message(name, m.JoinRequest(peer=(name, -1, "r", 0.1, 4, 0, shard), want=want), h.now)
-        (w,) = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, m.Welcome)]
+        w = _ask(leader, name, h.now, want, shard)
         return w.stage, w.shard
 
     assert welcome("j0", 2) == (2, m.NONE)
