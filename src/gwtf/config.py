@@ -244,7 +244,8 @@ class ProtocolConfig:
     # joining; false: the paper's behaviour, joiners become relays and a crashed data holder's shard stays vacant
     data_holder_joins: bool = True
     # the global batch is held: while a shard is vacant, the live data holders serve its microbatches too
-    # (dealt round-robin at each iteration start); false: the paper's behaviour, a vacant shard's share is dropped
+    # (dealt round-robin at each iteration start), and a crashed one's microbatches are served again within the
+    # iteration; false: the paper's behaviour, a vacant shard's share and a crashed one's microbatches are dropped
     hold_batch: bool = True
     swarm_rebalance_period_s: float = 300.0  # SWARM baseline: rebalancing period T (SWARM paper: 300 s)
     swarm_ban_s: float = 60.0  # SWARM baseline: a failed peer is banned this long (its DHT record's life)

@@ -16,7 +16,9 @@ Exactly once: a replica's accumulated gradient is all-or-nothing. A microbatch c
 a stage (a false suspicion let two replicas back-propagate it) makes the leader reset one
 replica's gradient and redo its other microbatches; a microbatch covered nowhere (its replica
 crashed) is redone by a chain from the neighbours' caches. Microbatches of a crashed data holder
-are not redone: counted as dropped; any relay contributions they made stay at most once.
+are served again by the live ones (`protocol.hold_batch`: the leader's `Deal`), and a replica
+holding a part of one is reset (`plan_redo(void=True)`); with the batch not held they are
+counted as dropped, and any relay contributions they made stay at most once.
 
 Must not import torch, asyncio, socket, threading or time.
 """
@@ -38,6 +40,7 @@ from gwtf.protocol.messages import (
     Collect,
     Commit,
     Compute,
+    Deal,
     FreeIteration,
     GradShare,
     Have,
@@ -118,15 +121,23 @@ class Plan:
 
 
 def plan_redo(stages: int, expected: Mapping[NodeId, tuple[int, ...]],
-              contributions: Mapping[NodeId, tuple[int, frozenset[Contrib]]]) -> Plan:
+              contributions: Mapping[NodeId, tuple[int, frozenset[Contrib]]], void: bool = False) -> Plan:
     """Pure planner. `contributions`: live replica -> (stage, contributed microbatches).
+    `void`: a microbatch of a data holder not in `expected` (it died) counts nowhere: its data
+    is served again by another data holder (`protocol.hold_batch`), so a replica whose gradient
+    holds one is reset (and its other microbatches redone).
 
     Invariant it establishes once its resets and chains are done: every expected microbatch is
-    covered by exactly one live replica at every stage.
+    covered by exactly one live replica at every stage (and, with `void`, no other).
     """
     contrib = {n: set(c) for n, (_, c) in contributions.items()}
     stage_of = {n: s for n, (s, _) in contributions.items()}
     resets: list[NodeId] = []
+    if void:
+        for n in sorted(contrib):
+            if any(mb[0] not in expected for mb in contrib[n]):
+                resets.append(n)
+                contrib[n] = set()
     while True:
         cover: list[dict[Contrib, list[NodeId]]] = [{} for _ in range(stages)]
         for n in sorted(contrib):
@@ -223,10 +234,24 @@ class Aggregation:
     def _report(self, dh_done: bool = False) -> Report:
         mine = tuple(sorted((mb[0], mb[2]) for mb in self.node.plane.contributed if mb[1] == self.node.iteration))
         started = tuple(range(self.node.plane.dh_started)) if self.node.me.stage == 0 else ()
-        done = self.node.me.stage == 0 and self.dh_reported_done
+        done = self.node.me.stage == 0 and (self.dh_reported_done or dh_done)
         return Report(term=self.node.term, iteration=self.node.iteration, version=self.node.version, stage=self.node.me.stage, contributed=mine,
-                      dh_done=done or dh_done, dh_completed=started if (done or dh_done) else (),
-                      have_round=self.have_round)
+                      dh_done=done, dh_completed=started if done else (), have_round=self.have_round,
+                      dh_data=tuple(self.node.plane.dh_data) if done else ())
+
+    @handles(msgs.Deal, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
+    def on_deal(self, sender: NodeId, msg: Deal, now: float) -> list[Effect]:
+        """Serve `msg.items` too (a crashed data holder's microbatches, dealt again): we are not
+        done until they are; the leader waits for the report that names them."""
+        if not self.node.active or self.node.me.stage != 0 or msg.iteration != self.node.iteration \
+                or self.started_iter != msg.iteration:
+            return []
+        if not self.node.plane.dh_take(msg.items):
+            # all taken already (a resend): say where we are, the leader may have missed it
+            return [self.node.send(sender, self._report())] if self.dh_reported_done else []
+        self.dh_reported_done = False
+        return [record(RecordName.DEAL_TAKEN, node=self.node.me.id, iteration=msg.iteration, items=len(msg.items))] + \
+            self.node.plane.dh_progress(now)
 
     @handles(msgs.Collect, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_collect(self, sender: NodeId, msg: Collect, now: float) -> list[Effect]:

@@ -50,7 +50,7 @@ __all__ = ["NodeCore", "Policy", "Sender", "TrainParams", "make_router", "messag
 _ROUTER = object()  # dispatch marks: the router's message, or a message nobody handles
 _UNKNOWN = object()
 
-RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStart, m.Collect, m.Reset,
+RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStart, m.Deal, m.Collect, m.Reset,
             m.MemberUp, m.MemberDown, m.Rollback, m.StateTransfer, m.StateRequest, m.Welcome, m.JoinRequest)
 
 COMPUTE_READVERTISE = 0.1

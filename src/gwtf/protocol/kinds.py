@@ -69,6 +69,8 @@ class RecordName(StrEnum):
     COMPUTE_ADVERTISED = "compute_advertised"
     COMPUTE_FAILED = "compute_failed"
     CONTRIBUTE = "contribute"
+    DEAL = "deal"
+    DEAL_TAKEN = "deal_taken"
     DECISION = "decision"
     DH_LOST = "dh_lost"
     DUP_RETURN = "dup_return"

@@ -90,6 +90,7 @@ class LeaderState:
     admitting: set[NodeId] = field(default_factory=set)  # joiners the held iteration start waits for
     admit_until_s: float = 0.0
     lost_shards: set[int] = field(default_factory=set)  # shards whose data holder died during this iteration
+    dealt: dict[NodeId, list[tuple[int, int]]] = field(default_factory=dict)  # data holder -> (shard, index) dealt again
 
 
 class Coordinator:
@@ -140,6 +141,7 @@ class Coordinator:
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
         self.lead.haves, self.lead.commit_set = set(), set()
         self.lead.lost_shards = set()
+        self.lead.dealt = {}
         out: list[Effect] = [record(RecordName.ITER_START, iteration=t, members=len(self.node.directory))]
         held: list[NodeId] = []
         for j in sorted(self.lead.waiting):
@@ -226,7 +228,8 @@ class Coordinator:
         if msg.iteration != self.lead.t or self.lead.phase in (Phase.PAUSED, Phase.FINISHED):
             return []
         self.lead.reports[sender] = msg
-        if msg.dh_done and self.node.directory[sender].stage == 0:
+        if msg.dh_done and self.node.directory[sender].stage == 0 and \
+                set(self.lead.dealt.get(sender, ())) <= set(msg.dh_data):  # (not a report from before a Deal)
             self.lead.expected[sender] = msg.dh_completed
         return self._check(now)
 
@@ -241,6 +244,7 @@ class Coordinator:
                 out.append(self.node.send(pid, Step(term=self.node.term, iteration=r.version, round=r.have_round)))
         self.lead.t = top
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
+        self.lead.dealt = {}
         if self.node.train.iterations and top >= self.node.train.iterations:
             # the old leader died after the last step (e.g. it exited when training was done):
             # nothing is left to run; an IterStart here trained one iteration past the end
@@ -258,6 +262,9 @@ class Coordinator:
             dhs = self.node.data_holders()
             if len(self.lead.expected) < len(dhs) or not dhs <= self.lead.expected.keys():
                 return []
+            missing = self._unserved()
+            if missing:
+                return self._deal(missing)
             self.lead.phase = Phase.COLLECT
             out: list[Effect] = [record(RecordName.COLLECT, iteration=self.lead.t)]
             out += [self.node.send(p, Collect(term=self.node.term, iteration=self.lead.t, leader=self.node.me.id))
@@ -269,12 +276,41 @@ class Coordinator:
             return self._step(now)
         return []
 
+    def _unserved(self) -> list[tuple[int, int]]:
+        """With the batch held: the microbatches (shard, index) of the global batch that no live
+        data holder serves (a crashed one's, its dealt extras included), once every live data
+        holder is done. Empty while a data holder's shard is unknown (as `vacant_extras`)."""
+        node = self.node
+        dhs = sorted(node.data_holders())
+        if not node.cfg.hold_batch or not dhs or any(node.directory[p].shard < 0 for p in dhs):
+            return []
+        served = {tuple(d) for p in dhs for d in self.lead.reports[p].dh_data}
+        return [(s, i) for s in range(node.train.data_holders) for i in range(node.train.microbatches)
+                if (s, i) not in served]
+
+    def _deal(self, missing: list[tuple[int, int]]) -> list[Effect]:
+        """Deal the unserved microbatches round-robin to the live data holders, within this
+        iteration (DESIGN.md 3: the batch belongs to the swarm); wait for each one's report
+        that names them."""
+        dhs = sorted(self.node.data_holders())
+        to: set[NodeId] = set()
+        for k, item in enumerate(missing):
+            dh = dhs[(self.lead.t + k) % len(dhs)]
+            self.lead.dealt.setdefault(dh, []).append(item)
+            to.add(dh)
+        out: list[Effect] = [record(RecordName.DEAL, iteration=self.lead.t, items=len(missing), to=tuple(sorted(to)))]
+        for dh in sorted(to):
+            self.lead.expected.pop(dh, None)
+            out.append(self.node.send(dh, msgs.Deal(term=self.node.term, iteration=self.lead.t,
+                                                    items=tuple(self.lead.dealt[dh]))))
+        return out
+
     def _plan(self, now: float) -> list[Effect]:
         # (the length test first: this runs on every Report, O(1) until the last ones arrive)
         if len(self.lead.reports) < len(self.node.directory) or not self.node.directory.keys() <= self.lead.reports.keys():
             return []
         contrib = {p: (r.stage, frozenset(r.contributed)) for p, r in self.lead.reports.items() if p in self.node.directory}
-        plan = plan_redo(self.node.S, self.lead.expected, contrib)
+        plan = plan_redo(self.node.S, self.lead.expected, contrib, void=self.node.cfg.hold_batch)
         out: list[Effect] = []
         for victim in plan.resets:
             self.lead.reports.pop(victim, None)
@@ -370,6 +406,8 @@ class Coordinator:
             return out + self._pause(now)
         if self.lead.phase == Phase.COMMIT and self._commit_broken(pid, stage):
             self.lead.phase = Phase.COLLECT  # agree again (new round, new reducer)
+        if stage == 0 and self.lead.phase == Phase.COLLECT and self.node.cfg.hold_batch:
+            self.lead.phase = Phase.RUN  # its microbatches are dealt again first (`_deal`)
         if self.lead.phase == Phase.RECOVER:
             return out + self._recover_check(now)
         return out + self._check(now)

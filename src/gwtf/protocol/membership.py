@@ -485,6 +485,8 @@ class Membership:
         if info is None:
             return []
         self.node.suspects.discard(pid)
+        if info.stage == 0:
+            self.node.plane.lose_origin(pid)
         out: list[Effect] = list(self.node.router.on_peer_down(pid, now))
         if self.node.cfg.view_size > 0:
             out += self._widen(now)

@@ -401,6 +401,19 @@ class IterStart(Message):
 
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Deal(Message):
+    """Leader: serve these microbatches (shard, index) of `iteration` too: no live data holder
+    serves them (theirs died with them, `protocol.hold_batch`). Cumulative: every item dealt to
+    this data holder in the iteration so far, so a lost or reordered Deal is repaired by the next."""
+
+    TYPE = "agg.deal"
+    term: int
+    iteration: int
+    items: tuple[tuple[int, int], ...]
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Collect(Message):
     """Leader: report your state for `iteration` (also sent by a new leader after failover)."""
 
@@ -425,6 +438,9 @@ class Report(Message):
     dh_done: bool = False
     dh_completed: tuple[int, ...] = ()
     have_round: int = NONE
+    # a data holder done: the batch's (shard, index) of each of its microbatches, in order (the
+    # leader re-deals what no live data holder serves, `Deal`)
+    dh_data: tuple[tuple[int, int], ...] = ()
 
 
 @message

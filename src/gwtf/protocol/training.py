@@ -73,6 +73,26 @@ class DataPlane:
         self.dh_started = 0
         self.dh_data: list[tuple[int, int]] = []  # the batch's (shard, index) of its microbatch n, n = 0, 1, ...
         self.rt_ema_s = 0.0
+        # data holders known dead: with the batch held their microbatches are void (served again
+        # by others, under other ids), so their in-flight work is dropped here, not recovered
+        self.lost_origins: set[NodeId] = set()
+
+    def void(self, mb: MbId) -> bool:
+        """`mb` is a dead data holder's (`protocol.hold_batch`): nothing more is done for it."""
+        return mb[0] in self.lost_origins
+
+    def lose_origin(self, pid: NodeId) -> None:
+        """Data holder `pid` died: drop its microbatches' legs and outgoing gradients, so
+        nothing recovers, re-routes or back-propagates them any more. What this node contributed
+        of them stays counted in `contributed`: the leader sees it and resets this replica (its
+        accumulated gradient holds them), `aggregation.plan_redo`."""
+        if not self.node.cfg.hold_batch:
+            return
+        self.lost_origins.add(pid)
+        for n in [n for n, leg in self.legs.items() if leg.mb[0] == pid]:
+            del self.legs[n]
+        for mb in [mb for mb in self.gouts if mb[0] == pid]:
+            del self.gouts[mb]
 
     def clear_iteration(self) -> None:
         """Drop the ledger of the current iteration (a new iteration, a reset, a stage move)."""
@@ -109,7 +129,14 @@ class DataPlane:
             own = me.shard < 0 or not any(s == me.shard for _, s, _ in extra)
         self.dh_data = [(me.shard, i) for i in range(self.node.train.microbatches)] if own else []
         self.dh_data += [(s, i) for dh, s, i in extra if dh == me.id]
-        return self._dh_progress(now)
+        return self.dh_progress(now)
+
+    def dh_take(self, items: Sequence[tuple[int, int]]) -> bool:
+        """Add the dealt microbatches we do not serve yet (`Deal`); whether any was new."""
+        have = set(self.dh_data)
+        new = [(int(s), int(i)) for s, i in items if (s, i) not in have]
+        self.dh_data += new
+        return bool(new)
 
     def _dh_fill(self, now: float) -> list[Effect]:
         out: list[Effect] = []
@@ -136,7 +163,7 @@ class DataPlane:
     def _mb_deadline_s(self) -> float:
         return max(self.node.cfg.mb_deadline_floor_s, self.node.cfg.mb_deadline_multiplier * self.rt_ema_s)
 
-    def _dh_progress(self, now: float) -> list[Effect]:
+    def dh_progress(self, now: float) -> list[Effect]:
         out = self._dh_fill(now)
         if self.dh_started >= len(self.dh_data) and all(self._finished(o) for o in self.origins.values()):
             out += self.node.agg.dh_done(now)
@@ -219,7 +246,7 @@ class DataPlane:
         if msg.mb[1] > self.node.iteration:
             self.pending_fwd.append((sender, msg))  # IterStart not seen yet: keep it
             return []
-        if msg.mb[1] < self.node.iteration or not self.node.active:
+        if msg.mb[1] < self.node.iteration or not self.node.active or msg.mb[0] in self.lost_origins:
             return [log("debug", "stale_forward", mb=msg.mb, sender=sender)]
         if self.node.me.stage == 0:
             return self._dh_return(sender, msg, now)
@@ -277,7 +304,7 @@ class DataPlane:
 
     @handles(msgs.Backward, sender=Sender.NEIGHBOUR)
     def on_backward(self, sender: NodeId, msg: Backward, now: float) -> list[Effect]:
-        if msg.mb[1] != self.node.iteration:
+        if msg.mb[1] != self.node.iteration or msg.mb[0] in self.lost_origins:
             return []
         pos = self.node.me.stage
         out: list[Effect] = []
@@ -373,7 +400,7 @@ class DataPlane:
             a = self.node.cfg.ema_alpha
             self.rt_ema_s = dt if self.rt_ema_s == 0.0 else (1 - a) * self.rt_ema_s + a * dt
             acks, self.pending_acks = self.pending_acks, []
-            return [self.node.cancel(("mb", o.mb))] + acks + self._contribute(o.mb, NONE, now) + self._dh_progress(now)
+            return [self.node.cancel(("mb", o.mb))] + acks + self._contribute(o.mb, NONE, now) + self.dh_progress(now)
         return []
 
     def _contribute(self, mb: MbId, n: int, now: float) -> list[Effect]:
@@ -468,7 +495,7 @@ class DataPlane:
     @handles(msgs.Redo, sender=Sender.ANYONE)
     def on_redo(self, sender: NodeId, msg: Redo, now: float) -> list[Effect]:
         """We hold the activation for stage `start`: send it to another replica as a redo chain."""
-        if msg.mb[1] != self.node.iteration:
+        if msg.mb[1] != self.node.iteration or msg.mb[0] in self.lost_origins:
             return []
         rec: Leg | Origin | None
         if self.node.me.stage == 0:
@@ -546,5 +573,5 @@ class DataPlane:
             return out + [record(RecordName.MB_RESTART, node=self.node.me.id, mb=mb)] + self._resend(o, now)
         if o.phase in ("loss", "backward", "gradwait", "embed_bwd"):
             o.incomplete = True
-            return out + [record(RecordName.MB_INCOMPLETE, node=self.node.me.id, mb=mb)] + self._dh_progress(now)
+            return out + [record(RecordName.MB_INCOMPLETE, node=self.node.me.id, mb=mb)] + self.dh_progress(now)
         return out

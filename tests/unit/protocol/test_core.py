@@ -114,6 +114,25 @@ def test_plan_redo_resets_duplicates_and_chains_missing() -> None:
         (("d0", 0), 2, 3, "a1", "d0")]
 
 
+def test_plan_redo_voids_a_dead_data_holders_microbatches_with_the_batch_held() -> None:
+    """`void`: a replica whose gradient holds a part of a microbatch of a data holder that is not
+    expected (it died; its data is served again under another id) is reset, and its other
+    microbatches are chained again; without `void` (the paper's rule) the part stays counted."""
+    expected = {"d0": (0,)}
+    contrib = {
+        "d0": (0, frozenset({("d0", 0)})),
+        "a0": (1, frozenset({("d0", 0), ("d1", 0)})),  # d1 died after a0 back-propagated its microbatch
+        "b0": (2, frozenset({("d0", 0), ("d1", 0)})),
+        "b1": (2, frozenset()),
+    }
+    assert plan_redo(3, expected, contrib).resets == ()
+    plan = plan_redo(3, expected, contrib, void=True)
+    assert plan.resets == ("a0", "b0")
+    assert [(c.mb, c.start, c.until, c.start_node, c.holder) for c in plan.chains] == [
+        (("d0", 0), 1, 3, "d0", "d0")]
+    assert plan.missing == 2
+
+
 def test_greedy_router_prefers_cheap_spare_capacity_and_honours_exclude() -> None:
     me = PeerInfo(id="d0", stage=0, region="r", compute_s=0.1, capacity=4, demand=2)
     r = GreedyRouter(me, 3, 1000)

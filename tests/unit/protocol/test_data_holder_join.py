@@ -187,3 +187,58 @@ def test_a_joiner_whose_shard_is_served_already_gets_another_or_joins_again() ->
     assert [e.msg.stage for e in out if isinstance(e, Send) and isinstance(e.msg, m.Refetch)] == [1]
     shards = sorted(p.shard for p in leader.directory.values() if p.stage == 0)
     assert shards == [0, 1, 2], shards
+
+
+def _crash_mid_iteration(names: tuple[str, ...], peers_: tuple[int, ...] = (3, 2, 2)) -> tuple[Harness, dict[str, float]]:
+    """Crash data holders `names` while iteration 3 runs: after a relay has back-propagated one
+    of the first one's microbatches (so a relay's gradient holds a part of it)."""
+    train = replace(TRAIN, iterations=8, data_holders=peers_[0], microbatches=3)
+    h = Harness(peers(peers_), train)
+    h.start()
+    first = names[0]
+    h.run(200.0, stop=lambda: any(f["mb"][0] == first and f["mb"][1] == 3 and f["stage"] > 0
+                                  for f in h.events("contribute")))
+    assert h.cores[first].iteration == 3
+    dead = {}
+    for n in names:
+        h.crash(n)
+        dead[n] = h.now
+    h.run(h.now + 600.0, stop=lambda: bool(h.events("training_done")))
+    h.run(h.now + 5.0)
+    return h, dead
+
+
+def test_a_data_holder_crashed_mid_iteration_has_its_microbatches_served_again_in_it() -> None:
+    h, dead = _crash_mid_iteration(("d1",))
+    assert h.events("training_done"), "the swarm did not finish"
+    deals = [f for f in h.events("deal") if f["iteration"] == 3]
+    assert deals and sum(f["items"] for f in deals) == 3, deals  # d1's shard 1, all of it
+    # the relays' parts of d1's microbatches are void: their replicas were reset and redone
+    assert any(f["iteration"] == 3 for f in h.events("agg_reset"))
+    whole = sorted((s, i) for s in range(3) for i in range(3))
+    trained = _trained_data(h)
+    assert all(d == whole for d in trained.values()), {t: d for t, d in trained.items() if d != whole}
+    for f in h.events("decision"):  # no stage counts a part of a dead data holder's microbatch
+        if f["iteration"] == 3:
+            assert not any(dh == "d1" for mbs in f["contributions"].values() for dh, _ in mbs), f
+    chk = _checked(h, dead)
+    assert chk.violations == [], chk.violations
+    assert {c.version for c in h.cores.values()} == {8}
+
+
+def test_the_leader_crashed_mid_iteration_its_successor_serves_its_microbatches() -> None:
+    h, dead = _crash_mid_iteration(("d0",))
+    assert h.events("training_done") and h.events("leader_takeover")
+    whole = sorted((s, i) for s in range(3) for i in range(3))
+    trained = _trained_data(h)
+    assert all(d == whole for d in trained.values()), {t: d for t, d in trained.items() if d != whole}
+    assert _checked(h, dead).violations == []
+
+
+def test_two_of_three_data_holders_crashed_at_once_the_last_serves_the_whole_batch() -> None:
+    h, dead = _crash_mid_iteration(("d1", "d2"))
+    assert h.events("training_done")
+    whole = sorted((s, i) for s in range(3) for i in range(3))
+    trained = _trained_data(h)
+    assert all(d == whole for d in trained.values()), {t: d for t, d in trained.items() if d != whole}
+    assert _checked(h, dead).violations == []
