@@ -34,9 +34,9 @@ def _reference_losses(overrides: tuple[str, ...], out: Path) -> list[float]:
 
 
 def _compare(make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]], overrides: tuple[str, ...],
-             tmp_path: Path, rtol: float, timeout_s: float) -> None:
+             tmp_path: Path, rtol: float, timeout_s: float, faults: dict[str, str] | None = None) -> Swarm:
     iterations = _cfg(overrides).train.iterations
-    swarm = make_swarm(overrides)
+    swarm = make_swarm(overrides, faults=faults)
     swarm.start()
     totals = finish(swarm, iterations, timeout_s)
     swarm.close()
@@ -45,6 +45,7 @@ def _compare(make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, i
     assert totals["expected"] == 4 * iterations * swarm.cfg.model.stages
     want = _reference_losses(overrides, tmp_path / "local")
     np.testing.assert_allclose(got, want, rtol=rtol, atol=0)
+    return swarm
 
 
 @pytest.mark.integration
@@ -67,3 +68,23 @@ def test_full_swarm_matches_local_trainer_for_20_iterations(
 ) -> None:
     """The issue's setting: 2 data holders, 3 stages, 2 replicas of each relay stage (6 processes)."""
     _compare(make_swarm, finish, ("model.stages=3", "train.iterations=20"), tmp_path, rtol=1e-4, timeout_s=200)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("victim", ["dh0", "dh1"])
+def test_a_data_holder_killed_mid_iteration_still_matches_the_local_trainer(
+    make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]], tmp_path: Path, victim: str
+) -> None:
+    """kill -9 of a data holder (dh0: the leader) in iteration 3, while its microbatch 1 is in its
+    embedding backward: the relays have back-propagated a part of it. The batch is held
+    (protocol.hold_batch): the other data holder serves the dead one's microbatches again within
+    the iteration and its own shard from then on; the relays' parts are void (reset and redone),
+    so every iteration trains the whole batch once and the losses are the reference trainer's."""
+    swarm = _compare(make_swarm, finish, ("model.stages=2", "train.iterations=7"), tmp_path, rtol=1e-4,
+                     timeout_s=110, faults={victim: "crash:compute=embed_backward:iter=3:mb=1"})
+    rows = [r for recs in swarm.metrics.records.values() for r in recs]
+    assert any(r.get("event") == "fault" for r in swarm.metrics.records[victim]), "the fault never fired"
+    deals = [r for r in rows if r.get("event") == "deal"]
+    assert deals and {r["iteration"] for r in deals} == {3}, deals
+    assert any(r.get("event") == "agg_reset" and r["iteration"] == 3 for r in rows), "no relay part was voided"

@@ -210,13 +210,16 @@ class SwarmMetrics:
                 return new
             now = self._time0 + ((slot.unix_s - self.unix_start_s) if slot.unix_s and self.unix_start_s
                                  else time.monotonic() - started_s)
-            tokens = sum(slot.tokens.values())
+            # the microbatches of data holders that stepped the iteration: a data holder that died
+            # in it logged losses of microbatches the others then trained again (protocol.hold_batch)
+            losses = {k: v for k, v in slot.losses.items() if k[0] in slot.stepped}
+            tokens = sum(v for k, v in slot.tokens.items() if k[0] in slot.stepped)
             prev_t = self.rows[-1]["time_s"] if self.rows else 0.0
             row = {
-                "iteration": it, "loss": sum(slot.losses.values()) / max(1, len(slot.losses)),
+                "iteration": it, "loss": sum(losses.values()) / max(1, len(losses)),
                 "tokens": tokens, "time_s": round(now, 3),
                 "tokens_per_s": round(tokens / max(1e-3, now - prev_t), 1),
-                "microbatches": len(slot.losses), "crashes": crashes, "joins": joins,
+                "microbatches": len(losses), "crashes": crashes, "joins": joins,
                 "microbatches_redone": slot.redone, "microbatches_dropped": slot.dropped,
                 "microbatches_rerouted": slot.rerouted, "lr": slot.lr,
                 "grad_norms": [round(slot.grad_norms[k], 6) if k in slot.grad_norms else None
