@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "node": "run one node process (relay or data holder) over TCP",
     "swarm": "start a local swarm of node processes on loopback",
     "status": "print the live table of a running swarm, asked from any member (HOST:PORT)",
+    "audit": "check the exactly-once ledger of a swarm run from its node folders (gathered from every machine)",
     "secret": "create a swarm secret file (gwtf secret new PATH)",
     "generate": "generate text from a trained checkpoint (local or swarm), streamed",
     "export": "export a trained checkpoint as a Hugging Face folder (GPT-2 or Llama)",

@@ -52,7 +52,7 @@ def test_discarded_seconds_match_the_fraction_on_a_churned_run(system: str) -> N
 @pytest.mark.parametrize("system", ["gwtf", "swarm"])
 def test_a_tiny_model_keeps_its_millisecond_discarded_seconds(system: str) -> None:
     s, _ = run_scenario(load_scenario(SMOKE, []), 0, system)
-    assert s["busy_s"] < 0.1  # the case that rounded to 0.0
+    assert s["busy_s"] < 0.2  # the case that rounded to 0.0 (with the run's last checkpoint and its copies)
     _check_split(s)
 
 

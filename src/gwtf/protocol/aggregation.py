@@ -34,7 +34,8 @@ from gwtf.protocol.base import IdentityMemo, NodeId, log
 from gwtf.protocol.butterfly import Butterfly
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.ledger import Effect
+from gwtf.protocol.ledger import Effect, checkpoint_due
+from gwtf.protocol.membership import STATE_DEADLINE_FACTOR
 from gwtf.protocol.messages import (
     NONE,
     Collect,
@@ -194,6 +195,8 @@ class Aggregation:
         self.need_count = 0
         self.reducer: NodeId = ""  # the stage replica that sums the gradients of the committed round
         self.own_exported = NONE  # round whose own gradient export finished
+        self.copies: dict[int, int] = {}  # a data holder: relay stage -> newest checkpoint copy stored
+        self.ending: tuple[int, set[int]] | None = None  # the run ended at version v; stages whose copy of v is owed
         self.bf = Butterfly(self)
 
     # ---- replica side ------------------------------------------------------------------
@@ -394,6 +397,59 @@ class Aggregation:
             out += [self.node.send_booked(r, msg, now) for r in children]
         return out
 
+    @handles(msgs.Finish, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
+    def on_finish(self, sender: NodeId, msg: msgs.Finish, now: float) -> list[Effect]:
+        """The leader ended the run: this node's training is over too."""
+        if self.node.is_leader:
+            return []
+        return self.end(msg.version, now)
+
+    def end(self, version: int, now: float) -> list[Effect]:
+        """The run ended at weight version `version`: `training_over` (the driver lets the
+        queued computes, the last step and checkpoint among them, finish, then stops the node).
+        A data holder first waits, bounded, for its copy of every relay stage's checkpoint of
+        that version (`_replicate_checkpoint`: each data holder gets one of each), so the final
+        weights of every stage are on the data holders' disks when the run is over."""
+        if self.ending is not None:
+            return []
+        node = self.node
+        owed: set[int] = set()
+        if node.me.stage == 0 and node.cfg.checkpoint_replicate and checkpoint_due(version, node.cfg.checkpoint_every, node.train.iterations):
+            owed = {k for k in range(1, node.S) if self.copies.get(k, NONE) < version}
+        self.ending = (version, owed)
+        if not owed:
+            return self._over(now)
+        size = max(node.train.stage_state_bytes)
+        wait_s = max(node.members.join_deadline_s(), STATE_DEADLINE_FACTOR * max(
+            (node.ack_deadline_s(p, size) for p, i in node.directory.items() if i.stage >= 1), default=0.0))
+        return [record(RecordName.FINAL_COPIES_WAIT, node=node.me.id, version=version, stages=tuple(sorted(owed)),
+                       wait_s=round(wait_s, 3)), node.timer(("ending", 0), wait_s, now)]
+
+    def _over(self, now: float, missing: tuple[int, ...] = ()) -> list[Effect]:
+        assert self.ending is not None
+        out: list[Effect] = [self.node.cancel(("ending", 0))] if missing or self.ending[1] else []
+        if missing:
+            out.append(log("warning", "final_copies_missing", version=self.ending[0], stages=missing))
+        return out + [record(RecordName.TRAINING_OVER, node=self.node.me.id, version=self.ending[0],
+                             holding=self.node.version, copies_missing=missing)]
+
+    def copy_stored(self, stage: int, version: int, now: float) -> list[Effect]:
+        """A data holder stored a relay stage's checkpoint copy (`STORE_CHECKPOINT` done)."""
+        self.copies[stage] = max(self.copies.get(stage, NONE), version)
+        if self.ending is None or not self.ending[1]:
+            return []
+        v, owed = self.ending
+        if version >= v:
+            owed.discard(stage)
+        return self._over(now) if not owed else []
+
+    def on_ending_timer(self, _: object, now: float) -> list[Effect]:
+        if self.ending is None or not self.ending[1]:
+            return []
+        missing = tuple(sorted(self.ending[1]))
+        self.ending[1].clear()
+        return self._over(now, missing)
+
     @handles(msgs.Step, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_step(self, sender: NodeId, msg: Step, now: float) -> list[Effect]:
         if msg.iteration != self.node.iteration or self.node.version != msg.iteration:
@@ -414,7 +470,8 @@ class Aggregation:
         holders are dealt round-robin over the round's sorted replicas (the Commit's list, the
         same at every replica), so each data holder gets one copy and the uplinks share the
         load. The export runs after the step (computes are FIFO): it holds state `version`."""
-        if not self.node.cfg.checkpoint_replicate or self.node.me.stage == 0 or version % self.node.cfg.checkpoint_every:
+        if not self.node.cfg.checkpoint_replicate or self.node.me.stage == 0 or \
+                not checkpoint_due(version, self.node.cfg.checkpoint_every, self.node.train.iterations):
             return []
         replicas = sorted(c.replicas)
         if self.node.me.id not in replicas:

@@ -50,7 +50,7 @@ __all__ = ["NodeCore", "Policy", "Sender", "TrainParams", "make_router", "messag
 _ROUTER = object()  # dispatch marks: the router's message, or a message nobody handles
 _UNKNOWN = object()
 
-RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStart, m.Deal, m.Collect, m.Reset,
+RELIABLE = (m.Report, m.Have, m.GradShare, m.Ready, m.Commit, m.Step, m.IterStart, m.Deal, m.Finish, m.Collect, m.Reset,
             m.MemberUp, m.MemberDown, m.Rollback, m.StateTransfer, m.StateRequest, m.Welcome, m.JoinRequest)
 
 COMPUTE_READVERTISE = 0.1
@@ -305,7 +305,7 @@ class NodeCore(CoreState):
         handlers: dict[str, Callable[[Any, float], list[Effect]]] = {
             "ackf": self.plane.on_ack_timeout, "ackb": self.plane.bwd_failed, "redo": self.plane.redo_failed, "gget": self.plane.chain_failed,
             "retry": self.plane.on_retry, "mb": self.plane.on_mb_deadline, "resend": self._resend_control,
-            "unsuspect": self.members.on_unsuspect_timer, "join": self.members.on_join_timer, "sget": self.members.on_state_timer,
+            "unsuspect": self.members.on_unsuspect_timer, "ending": self.agg.on_ending_timer, "join": self.members.on_join_timer, "sget": self.members.on_state_timer,
         }
         handler = handlers.get(kind)
         return handler(key[1], now) if handler is not None else [log("warning", "unknown_timer", key=key)]

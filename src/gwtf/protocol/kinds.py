@@ -75,6 +75,7 @@ class RecordName(StrEnum):
     DH_LOST = "dh_lost"
     DUP_RETURN = "dup_return"
     EVICT = "evict"
+    FINAL_COPIES_WAIT = "final_copies_wait"
     GRAD_PASSED_ON = "grad_passed_on"
     ITER_SEEN = "iter_seen"
     ITER_START = "iter_start"
@@ -109,6 +110,7 @@ class RecordName(StrEnum):
     SUSPECT = "suspect"
     SWARM_MOVE = "swarm_move"
     TRAINING_DONE = "training_done"
+    TRAINING_OVER = "training_over"  # this node is done: the run ended (the leader's Finish), its final copies are in
     UNAUTHORIZED = "unauthorized"
     # the runtime's compute jobs (`drive.ComputeResult`), in records.jsonl
     TOKENS = "tokens"

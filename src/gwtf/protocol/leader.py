@@ -22,7 +22,7 @@ from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId, log
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
-from gwtf.protocol.ledger import Effect
+from gwtf.protocol.ledger import Effect, checkpoint_due
 from gwtf.protocol.membership import STATE_DEADLINE_FACTOR, bottleneck_stage, from_tuple, to_tuple
 from gwtf.protocol.messages import (
     NONE,
@@ -104,6 +104,10 @@ class Coordinator:
         # (no caller needs a None check: its collections are empty, its round 0)
         self.lead = LeaderState(term=-1, t=0, phase=Phase.FINISHED, round=0)
 
+    def finished(self) -> bool:
+        """This node led the run to its end (`_finish`): nobody is evicted any more."""
+        return self.node.is_leader and self.lead.phase == Phase.FINISHED
+
     def leader_init(self, now: float, recovering: bool) -> list[Effect]:
         self.node.is_leader = True
         # a new leader's rounds must not collide with commits the old one may have sent
@@ -135,8 +139,7 @@ class Coordinator:
 
     def start_iteration(self, t: int, now: float) -> list[Effect]:
         if self.node.train.iterations and t >= self.node.train.iterations:
-            self.lead.phase = Phase.FINISHED
-            return [record(RecordName.TRAINING_DONE, iterations=t)]
+            return self._finish(t, now)
         self.lead.t = t
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
         self.lead.haves, self.lead.commit_set = set(), set()
@@ -164,6 +167,17 @@ class Coordinator:
             self.lead.admit_until_s = now + wait_s
             return out + [record(RecordName.ADMIT_HOLD, iteration=t, joiners=tuple(held), wait_s=round(wait_s, 3))]
         return out + self._begin(t, now)
+
+    def _finish(self, t: int, now: float) -> list[Effect]:
+        """The run's last step is done (sent): tell every member, the joiners still pending
+        included, so each ends now (its own `training_over`) instead of taking the leader's exit
+        for a crash and waiting out `partition_timeout_s`. After the Steps on every link, so a
+        member applies the last one first."""
+        self.lead.phase = Phase.FINISHED
+        msg = msgs.Finish(term=self.node.term, version=t)
+        pending = sorted(self.node.members.pending_joiners - set(self.node.directory))
+        return [record(RecordName.TRAINING_DONE, iterations=t)] + self._broadcast(msg) + \
+            [self.node.send(j, msg) for j in pending] + self.node.agg.end(t, now)
 
     def _iter_start(self, t: int) -> IterStart:
         """Iteration `t`'s start, with the vacant shards' microbatches dealt to the live data holders."""
@@ -248,8 +262,7 @@ class Coordinator:
         if self.node.train.iterations and top >= self.node.train.iterations:
             # the old leader died after the last step (e.g. it exited when training was done):
             # nothing is left to run; an IterStart here trained one iteration past the end
-            self.lead.phase = Phase.FINISHED
-            return out + [record(RecordName.TRAINING_DONE, iterations=top)]
+            return out + self._finish(top, now)
         self.lead.phase = Phase.RUN
         out += self._broadcast(self._iter_start(top), include_self=True)
         for pid, r in sorted(reports.items()):
@@ -381,7 +394,7 @@ class Coordinator:
         out: list[Effect] = [record(RecordName.ITERATION_DONE, iteration=t, round=self.lead.round,
                                     expected=sum(len(v) for v in self.lead.expected.values()))]
         out += [self.node.send(p, Step(term=self.node.term, iteration=t, round=self.lead.round)) for p in sorted(self.lead.commit_set)]
-        if (t + 1) % self.node.cfg.checkpoint_every == 0:
+        if checkpoint_due(t + 1, self.node.cfg.checkpoint_every, self.node.train.iterations):
             out.append(record(RecordName.CHECKPOINT, version=t + 1))
         return out + self.start_iteration(t + 1, now)
 

@@ -39,6 +39,12 @@ if TYPE_CHECKING:  # annotation only: the leader part imports this module
 DEFAULT_LINK = LinkEstimate(latency_s=0.05, bandwidth_bytes_per_s=50e6)
 
 
+
+def checkpoint_due(version: int, every: int, iterations: int) -> bool:
+    """Weight version `version` is checkpointed (and copied to the data holders): every
+    `protocol.checkpoint_every` steps, and the run's last (`iterations`; 0: no last)."""
+    return version > 0 and (version % every == 0 or version == iterations)
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainParams:
     """What one iteration is: sizes and FLOPs the core puts on its effects (no tensors)."""

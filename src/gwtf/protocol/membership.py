@@ -28,7 +28,7 @@ from gwtf.protocol import messages as msgs
 from gwtf.protocol.base import NodeId, log
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import ComputeKind, RecordName
-from gwtf.protocol.ledger import Effect, Leg, Origin
+from gwtf.protocol.ledger import Effect, Leg, Origin, checkpoint_due
 from gwtf.protocol.messages import (
     NONE,
     Compute,
@@ -223,6 +223,8 @@ class Membership:
 
     def on_heartbeat_timer(self, now: float) -> list[Effect]:
         out: list[Effect] = [self.node.timer(("hb",), self.node.cfg.heartbeat_period_s, now)]
+        if self.node.coord.finished():
+            return out  # members stop as told (Finish): their silence is no crash
         if self.node.is_leader:
             horizon = now - self.node.cfg.evict_after_s
             for pid in sorted(p for p, t in self.last_hb.items() if t < horizon):
@@ -802,7 +804,7 @@ class Membership:
         k, v = msg.stage, msg.version
         info = self.node.directory.get(sender)
         ok = (self.node.me.stage == 0 and msg.ok and info is not None and info.stage == k and 1 <= k < self.node.S
-              and v >= 1 and v % self.node.cfg.checkpoint_every == 0 and msg.key == ("ckpt", k, v, sender))
+              and checkpoint_due(v, self.node.cfg.checkpoint_every, self.node.train.iterations) and msg.key == ("ckpt", k, v, sender))
         if not ok:
             return [log("warning", "checkpoint_refused", sender=sender, stage=k, version=v)]
         job = self.node.job(ComputeKind.STORE_CHECKPOINT, msg.key)
@@ -838,6 +840,8 @@ class Membership:
             size = self.node.train.stage_state_bytes[key[1]]
             msg = StateTransfer(stage=key[1], version=version, key=key, size_bytes=size)
             return [self.node.send_booked(d, msg, now) for d in targets]
+        if kind == ComputeKind.STORE_CHECKPOINT:
+            return self.node.agg.copy_stored(int(ref[1]), int(ref[2]), now)
         if kind in (ComputeKind.IMPORT_STATE, ComputeKind.LOAD_CHECKPOINT):
             if self.node.active or self.node.me.stage < 0:
                 return []

@@ -414,6 +414,17 @@ class Deal(Message):
 
 @message
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Finish(Message):
+    """Leader: training is over at weight version `version` (the run's last step was sent
+    before this): every member checkpoints what it is configured to, and stops (exit 0)."""
+
+    TYPE = "agg.finish"
+    term: int
+    version: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Collect(Message):
     """Leader: report your state for `iteration` (also sent by a new leader after failover)."""
 

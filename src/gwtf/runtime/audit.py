@@ -1,6 +1,11 @@
 """The exactly-once ledger, checked from a swarm's node logs alone (DESIGN.md section 3).
 
-Owns `audit_ledger(records, iterations, stages, hashes)`: for every finished iteration and stage,
+Owns `audit_run(records, stages, microbatches, iterations, first, run_iterations)`, the one audit
+both `gwtf swarm` (`Swarm.audit`) and `gwtf audit` run: the ledger (`audit_ledger`) with the
+replica hashes taken from the records themselves (`current_step_hashes`), plus the invariant
+replay, and totals that say how many steps had their hashes compared (`unhashed_steps`: the
+only steps the ledger accepts without a logged hash). `audit_ledger(records, iterations, stages,
+hashes)` checks, for every finished iteration and stage,
 the leader's final aggregation decision (the `decision` record of the highest round) must cover
 every expected microbatch exactly once (a crashed data holder's dropped microbatches may appear
 at most once: relay contributions made before the crash stay); every contributor must have logged (`contribute`) each
@@ -12,8 +17,10 @@ It also replays every node's records, in wall-clock order, through the simulator
 `InvariantChecker` (`replay_invariants`): the same checks of exactly-once decisions, identical
 steps per (stage, version) and one leader per term hold for real processes as for simulated ones.
 
-`gwtf swarm` runs it at the end of a run; the integration tests assert it. Reads plain dicts (the
-rows of `DIR/nodes/*/records.jsonl`). Must not import torch or asyncio.
+`gwtf swarm` runs it at the end of a run, `gwtf audit` on gathered node folders (where
+`latest_attempt` first sets aside the records of earlier swarm starts that `gwtf node --resume`
+appends to); the integration tests assert it. Reads plain dicts (the rows of
+`DIR/nodes/*/records.jsonl`). Must not import torch or asyncio.
 """
 
 from __future__ import annotations
@@ -143,3 +150,71 @@ def audit_ledger(
             totals["expected"] += len(expected)
     problems += [f"invariant: {v}" for v in replay_invariants(records, stages, run_iterations)]
     return problems, totals
+
+
+def unhashed_steps(records: Records, stages: int, iterations: int, first: int = 0) -> list[tuple[int, int]]:
+    """(iteration, stage) steps of first..iterations-1 that no replica logged (no standing
+    `stepped` hash) but that `audit_ledger` accepts: the stage was restored from the checkpoint
+    of that very step (a `rollback` to version iteration+1: its last replica died right after
+    stepping, before its driver logged it). Their replica hashes cannot be compared."""
+    standing = current_step_hashes(records)
+    restored = {int(r["version"]) for rows in records.values() for r in rows if r.get("event") == RecordName.ROLLBACK}
+    return [(it, k) for it in range(first, iterations) for k in range(stages)
+            if not standing.get((it, k)) and it + 1 in restored]
+
+
+def audit_run(
+    records: Records, stages: int, microbatches: int, iterations: int, first: int = 0, run_iterations: int = 0,
+) -> tuple[list[str], dict[str, int]]:
+    """The audit of iterations first..iterations-1 of one swarm run from its nodes' records
+    (`gwtf swarm` and `gwtf audit` alike): `audit_ledger` with the standing step hashes of the
+    records, and the invariant replay. Returns (violations, totals); totals: `expected`,
+    `dropped` (see `audit_ledger`), `hashed` (steps whose replicas' hashes were compared: some
+    replica logged the step) and `unhashed` (steps accepted without a hash: `unhashed_steps`)."""
+    hashes = current_step_hashes(records)
+    problems, totals = audit_ledger(records, iterations, stages, hashes, microbatches, first=first,
+                                    run_iterations=run_iterations)
+    totals["hashed"] = sum(1 for it in range(first, iterations) for k in range(stages) if hashes.get((it, k)))
+    totals["unhashed"] = len(unhashed_steps(records, stages, iterations, first))
+    return problems, totals
+
+
+def process_runs(rows: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """A node's records split by process start: `t_s` (seconds since the node process started)
+    goes back at each start; one records.jsonl holds several when `gwtf node --resume` reused
+    the node's folder."""
+    runs: list[list[Mapping[str, Any]]] = []
+    last = float("inf")
+    for r in rows:
+        t = r.get("t_s")
+        t_s = float(t) if isinstance(t, (int, float)) else last
+        if not runs or t_s < last:
+            runs.append([])
+        runs[-1].append(r)
+        last = t_s
+    return runs
+
+
+def latest_attempt(records: Records) -> tuple[dict[str, list[Mapping[str, Any]]], int]:
+    """The records of the newest swarm start only, and how many rows were set aside. A swarm
+    starts when its bootstrap node leads term 0 (`leader_term`, term 0: elections only raise the
+    term), so two such records mean the records hold two attempts (a `gwtf node --resume`
+    appends to the folder of the stopped run). Kept: every node's process runs (`process_runs`)
+    still writing at the newest start; a run that ended before it belongs to an earlier attempt.
+    One start (the usual case, and `gwtf swarm`'s own `nodes/`): the records unchanged."""
+    starts = [float(r.get("unix_s", 0.0)) for rows in records.values() for r in rows
+              if r.get("event") == RecordName.LEADER_TERM and r.get("term") == 0]
+    if len(starts) < 2:
+        return {name: list(rows) for name, rows in records.items()}, 0
+    newest, skipped = max(starts), 0
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for name, rows in records.items():
+        kept: list[Mapping[str, Any]] = []
+        for run in process_runs(rows):
+            if float(run[-1].get("unix_s", 0.0)) >= newest:
+                kept += run
+            else:
+                skipped += len(run)
+        if kept:
+            out[name] = kept
+    return out, skipped

@@ -69,6 +69,7 @@ from gwtf.model.trainer import lr_at
 from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore, TrainParams
 from gwtf.protocol.kinds import ComputeKind, RecordName
+from gwtf.protocol.ledger import checkpoint_due
 from gwtf.protocol.messages import Compute, FreeIteration, GradShare, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.systems import build_core, get_system, iteration_params
@@ -86,7 +87,8 @@ fast and gets tried (its first measurement then prices it), instead of a pessimi
 would keep it unmeasured and idle for good next to a measured slow replica."""
 
 # Records the node process reacts to (each one a record the core emits)
-DONE_EVENTS = frozenset({RecordName.TRAINING_DONE, RecordName.SELF_STOP})  # this node's training is over
+# this node's training is over: it led the run to its end, heard the leader's Finish, or stopped
+DONE_EVENTS = frozenset({RecordName.TRAINING_OVER, RecordName.SELF_STOP})
 CRASH_EVENTS = frozenset({RecordName.EVICT, RecordName.LEADER_LOST})  # status.json's crashes_seen (`runtime.watch`)
 JOIN_EVENTS = frozenset({RecordName.JOIN})  # the leader admitted a joiner: joins_seen (`runtime.watch`)
 ACTIVE_EVENTS = frozenset({RecordName.ACTIVATED})  # a joiner holds its stage's state: state "active"
@@ -459,7 +461,7 @@ class Host:
         # its way to the other replicas (its wire form shares the tensor's memory)
         h = w.apply_step(iteration, w.store[key].clone())
         version = iteration + 1
-        if version % self.cfg.protocol.checkpoint_every == 0:
+        if checkpoint_due(version, self.cfg.protocol.checkpoint_every, self.cfg.train.iterations):
             self._save_checkpoint(w, version)
         return {"iteration": iteration, "stage": w.stage, "hash": h, "version": version,
                 "microbatches": self.grad_counts.get(key, 0), "peak_memory_bytes": w.peak_memory_bytes(),

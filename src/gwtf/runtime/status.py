@@ -132,11 +132,14 @@ def _fmt(value: Any, spec: str) -> str:
         return str(value)
 
 
+SERVING = frozenset({"active", "finishing", "finished"})  # a node that ended with the run still served its stage
+
+
 def stalled_stages(rows: Iterable[Mapping[str, Any]], stages: int) -> list[int]:
     """Stages 0..stages-1 that no row serves: a row serves its `stage` when its `state` is
     "active" (the launcher marks dead processes "crashed"/"exited" and nodes the core stopped
     with their reason, so a stale status file of a dead node does not count)."""
-    served = {row.get("stage") for row in rows if row.get("state") == "active"}
+    served = {row.get("stage") for row in rows if row.get("state") in SERVING}
     return [k for k in range(stages) if k not in served]
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from gwtf.config import Config
 from gwtf.protocol.kinds import RecordName
-from gwtf.runtime.audit import audit_ledger, dropped_by
+from gwtf.runtime.audit import audit_run, dropped_by
 from gwtf.runtime.checkpoints import CHECKPOINTS_DIR, resume_version
 from gwtf.runtime.launcher import NodePlan, NodeProcess, NodeStartError, ProcessGroup, mark_dead
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, JsonlTail, read_status, stalled_stages
@@ -503,8 +503,8 @@ class Swarm:
         code = p.popen.returncode
         if crashed(code):
             self.crashes += 1
-        if announced:
-            return
+        if announced or (code == 0 and (read_status(p.dir / STATUS_FILE) or {}).get("stop_reason") == "finished"):
+            return  # (the run's end: every node exits so; the final line says it once)
         self.metrics.poll([p])  # its last records: a fault's record is flushed just before its SIGKILL
         fault = fault_fired(self.metrics.records.get(p.name, []))
         if fault is not None and code == -signal.SIGKILL:
@@ -562,12 +562,12 @@ class Swarm:
         return "\n".join(f"--- {p.name} ({p.state})\n{p.log_tail(n_bytes)}" for p in self.group.procs)
 
     def audit(self, iterations: int | None = None) -> tuple[list[str], dict[str, int]]:
-        """The exactly-once ledger of the completed iterations, from the node logs."""
+        """The exactly-once ledger of the completed iterations, from the node logs: the very
+        audit `gwtf audit` runs on the out folder (`audit.audit_run`)."""
         self.metrics.poll(self.group.procs)
         n = self.metrics.next_iteration if iterations is None else iterations
-        return audit_ledger(self.metrics.records, n, self.cfg.model.stages, self.metrics.hashes,
-                            self.cfg.train.microbatches, first=self.first,
-                            run_iterations=self.cfg.train.iterations)
+        return audit_run(self.metrics.records, self.cfg.model.stages, self.cfg.train.microbatches, n,
+                         first=self.first, run_iterations=self.cfg.train.iterations)
 
     def complete(self, iterations: int) -> bool:
         """`iterations` are done and some replica of every stage has logged the last step."""
