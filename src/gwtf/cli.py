@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gwtf import __version__
-from gwtf.errors import UserError
+from gwtf.errors import NothingToDo, UserError
 
 if TYPE_CHECKING:
     from gwtf.config import Config
@@ -155,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         sys.stderr.write(f"gwtf: error: {exc}\n")
         return 2
+    except NothingToDo as exc:
+        sys.stderr.write(f"gwtf: {exc}\n")
+        return 0
     except KeyboardInterrupt:
         sys.stderr.write("gwtf: interrupted\n")
         return 130

@@ -128,3 +128,20 @@ def test_nothing_to_resume_from_is_a_user_error(tmp_path: Path) -> None:
     _flip_bit(tmp_path / "checkpoints" / "stage0" / "v5.safetensors")
     with pytest.raises(UserError, match="nothing to resume from"):
         _host(tmp_path, resume=True)
+
+
+def test_resuming_a_finished_run_says_so_and_is_not_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 44: the run's last version is on disk for every stage: nothing to resume, exit 0."""
+    from gwtf import cli
+    from gwtf.errors import NothingToDo
+
+    _write_versions(tmp_path, (5,))
+    with pytest.raises(NothingToDo, match="the run is finished: every stage's checkpoint .* is at version 5"):
+        checkpoints.resume_version(tmp_path / "checkpoints", 3, 5, 5)
+    assert checkpoints.resume_version(tmp_path / "checkpoints", 3, 10, 5) == 5  # raise --iterations: trains on
+    (tmp_path / "nodes" / "dh0").mkdir(parents=True)
+    (tmp_path / "nodes" / "dh0" / "records.jsonl").write_text("{}\n")
+    code = cli.main(["swarm", "--config", str(CONFIG), "--set", "model.stages=3", "--out", str(tmp_path),
+                     "--resume", "--iterations", "5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 0 and len(err) == 1 and "the run is finished" in err[0], (code, err)

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gwtf.errors import UserError
+from gwtf.errors import NothingToDo, UserError
 
 __all__ = [
     "CHECKPOINTS_DIR", "CheckpointError", "fsync_dir", "keep_version", "newest_complete", "read_version",
@@ -200,13 +200,13 @@ def newest_complete(ckpt_dir: Path, stages: int, warn: Warn | None = None) -> in
 
 def resume_version(ckpt_dir: Path, stages: int, iterations: int, every: int, warn: Warn | None = None) -> int:
     """The version `--resume` continues from: `newest_complete`, checked against the config
-    (UserError: nothing to resume from, the run is finished, or checkpoint_every changed)."""
+    (UserError: nothing to resume from, or checkpoint_every changed; NothingToDo: the run is finished)."""
     version = newest_complete(ckpt_dir, stages, warn)
     if version is None:
         raise UserError(f"nothing to resume from: {ckpt_dir} has no checkpoint complete for all {stages} stages")
     if iterations and version >= iterations:
-        raise UserError(f"nothing to resume: the checkpoint in {ckpt_dir} is at version {version} and "
-                        f"train.iterations={iterations} (raise --iterations to train on)")
+        raise NothingToDo(f"the run is finished: every stage's checkpoint in {ckpt_dir} is at version {version} "
+                          f"and train.iterations={iterations}; nothing to resume (raise --iterations to train on)")
     if version % every:
         raise UserError(f"cannot resume: checkpoint version {version} in {ckpt_dir} is not a multiple of "
                         f"protocol.checkpoint_every={every} (resume with the run's checkpoint_every)")
