@@ -407,7 +407,12 @@ class Coordinator:
         self.lead.haves.discard(pid)
         self.lead.commit_set.discard(pid)
         out: list[Effect] = []
-        if stage == 0 and self.lead.phase in (Phase.RUN, Phase.COLLECT, Phase.COMMIT, Phase.RECOVER):
+        broken = self.lead.phase == Phase.COMMIT and self._commit_broken(pid, stage)
+        if stage == 0 and self.lead.phase == Phase.COMMIT and not broken:
+            # its gradient is in the reduction already (the commit stands): its microbatches
+            # are trained, and counted (the iteration's `expected`)
+            out.append(record(RecordName.DH_LOST, node=pid, iteration=self.lead.t, started=0))
+        elif stage == 0 and self.lead.phase in (Phase.RUN, Phase.COLLECT, Phase.COMMIT, Phase.RECOVER):
             dropped = self.lead.expected.pop(pid, None)
             self.lead.lost_shards.add(shard)
             out.append(record(RecordName.DH_LOST, node=pid, iteration=self.lead.t,
@@ -417,7 +422,7 @@ class Coordinator:
             return out
         if any(not m for m in self._stage_members()):
             return out + self._pause(now)
-        if self.lead.phase == Phase.COMMIT and self._commit_broken(pid, stage):
+        if broken:
             self.lead.phase = Phase.COLLECT  # agree again (new round, new reducer)
         if stage == 0 and self.lead.phase == Phase.COLLECT and self.node.cfg.hold_batch:
             self.lead.phase = Phase.RUN  # its microbatches are dealt again first (`_deal`)

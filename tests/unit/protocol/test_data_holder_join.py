@@ -242,3 +242,23 @@ def test_two_of_three_data_holders_crashed_at_once_the_last_serves_the_whole_bat
     trained = _trained_data(h)
     assert all(d == whole for d in trained.values()), {t: d for t, d in trained.items() if d != whole}
     assert _checked(h, dead).violations == []
+
+
+def test_a_data_holder_lost_after_the_reducer_holds_its_gradient_is_counted_in_its_iteration() -> None:
+    """Its gradient is in the reduction (the commit stands): the iteration trained its microbatches,
+    and says so (`iteration_done`'s expected is the whole batch, nothing is dealt again)."""
+    train = replace(TRAIN, iterations=6, data_holders=3, microbatches=3)
+    h = Harness(peers((3, 2, 2)), train)
+    h.start()
+    # kill d2 once its gradient share of iteration 3 is on its way to d0 (stage 0's reducer, the
+    # lowest id), before d2 holds the reduced gradient (it never says Have: the step waits for
+    # its eviction, and by then the reducer holds every contributor's gradient)
+    h.run(300.0, stop=lambda: any(s == "d2" and isinstance(m_, m.GradShare) and m_.key[2] == 3 for s, _, m_ in h.sent))
+    assert not any(s == "d2" and isinstance(m_, m.Have) and m_.iteration == 3 for s, _, m_ in h.sent)
+    h.crash("d2")
+    dead = {"d2": h.now}
+    h.run(h.now + 600.0, stop=lambda: bool(h.events("training_done")))
+    done = {f["iteration"]: f["expected"] for f in h.events("iteration_done")}
+    assert done[3] == 9, done
+    assert not [f for f in h.events("deal") if f["iteration"] == 3]
+    assert _checked(h, dead).violations == []
