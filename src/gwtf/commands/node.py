@@ -3,17 +3,25 @@
 Owns the command's flags: process identity only (listen/join addresses, role, stage, region, data
 shard, device, output folder, name, swarm secret and static key files); every algorithm knob is a
 config field (`--config`, `--set`). A secret or key file that would not do (docs/security.md) is
-refused here, in one line, before torch is imported. The node itself is `gwtf.runtime.node`.
-Prints one `READY {json}` line when it serves.
+refused here, in one line, before torch is imported. The node itself is `gwtf.runtime.node`;
+it prints one `READY {json}` line when it listens and one `SERVING {json}` line when it serves.
+
+Also owns the node's `DIR/nodes/<name>/stdout.log`: everything the node prints to stdout and
+stderr at the Python level is appended there as well as shown on the terminal (`tee_output`),
+unless the process's stdout already is that file (`gwtf swarm`'s launcher redirects it there).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import re
 import secrets
+import sys
+import threading
 from pathlib import Path
+from typing import IO, TextIO, cast
 
 from gwtf.cli import (
     add_config_arguments,
@@ -27,7 +35,7 @@ from gwtf.cli import (
 from gwtf.config import Config, load_config
 from gwtf.errors import UserError
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "tee_output"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
 
@@ -136,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     _check_out(Path(args.out), name, args.join is None, args.resume, cfg)
     key_file = _check_key(args.key_file, Path(args.out), name)
     from gwtf.runtime.node import NodeIdentity, run_node  # torch only once we really run
+    from gwtf.runtime.status import STDOUT_FILE, node_dir
 
+    tee_output(node_dir(args.out, name) / STDOUT_FILE)
     ident = NodeIdentity(
         name=name, role=args.role, stage=stage, region=args.region, shard=shard, listen=args.listen,
         join=args.join, device=device, out_dir=Path(args.out), resume=args.resume, key_file=key_file,
@@ -184,3 +194,89 @@ def _check_out(out: Path, name: str, bootstrap: bool, resume: bool, cfg: Config)
         return
     if bootstrap:
         checkpoints.resume_version(ckpt, cfg.model.stages, cfg.train.iterations, cfg.protocol.checkpoint_every)
+
+
+class _Tee(io.TextIOBase):
+    """A text stream writing to the original stream (the terminal) and to the node's log file.
+    stdout's and stderr's tees share the file and one lock, so their lines interleave in the
+    file as they were written. `fileno()` and `isatty()` are the original's (faulthandler
+    needs a real descriptor). Neither side's failure stops the node: a terminal that went away
+    (EIO, EPIPE) is dropped for good, a log write that failed (a full disk) is skipped."""
+
+    def __init__(self, stream: TextIO, log_file: IO[str], lock: threading.RLock) -> None:
+        super().__init__()
+        self._stream: TextIO | None = stream
+        self._original = stream
+        self._log = log_file
+        self._lock = lock
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            if self._stream is not None:
+                try:
+                    self._stream.write(text)
+                except (OSError, ValueError):  # the terminal is gone (or closed): keep logging
+                    self._stream = None
+            try:
+                self._log.write(text)
+                self._log.flush()  # as records.jsonl: a kill -9 loses no whole line
+            except (OSError, ValueError):
+                pass  # e.g. the disk is full: the terminal still shows it
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._stream is not None:
+                try:
+                    self._stream.flush()
+                except (OSError, ValueError):
+                    self._stream = None
+            try:
+                self._log.flush()
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        """Flush only: both streams outlive this wrapper (IOBase's finalizer calls close)."""
+        self.flush()
+
+    def fileno(self) -> int:
+        return self._original.fileno()
+
+    def isatty(self) -> bool:
+        return self._original.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._original, "encoding", None) or "utf-8"
+
+
+def _is_file(stream: TextIO, stat: os.stat_result) -> bool:
+    """Does `stream` write to the file `stat` describes (same device and inode)?"""
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return False
+    return (st.st_dev, st.st_ino) == (stat.st_dev, stat.st_ino)
+
+
+def tee_output(path: Path) -> IO[str] | None:
+    """Append everything printed to `sys.stdout` and `sys.stderr` to `path` too (a tee at the
+    Python level: output of C code to fd 1 or 2 reaches the terminal only). A stream that
+    already writes to `path` (`gwtf swarm`'s launcher redirects both there) is left alone, so
+    no line is doubled. Returns the opened log file, or None when nothing needed a tee."""
+    try:
+        stat: os.stat_result | None = os.stat(path)
+    except OSError:
+        stat = None
+    names = [n for n in ("stdout", "stderr") if stat is None or not _is_file(getattr(sys, n), stat)]
+    if not names:
+        return None
+    log_file = path.open("a", encoding="utf-8", errors="backslashreplace")
+    lock = threading.RLock()  # reentrant: a Python signal handler may print in the middle of a write
+    for n in names:
+        setattr(sys, n, cast(TextIO, _Tee(getattr(sys, n), log_file, lock)))
+    return log_file

@@ -4,8 +4,10 @@ Owns the command's flags (the member's address, the swarm secret file, a deadlin
 The member answers over the authenticated wire (`gwtf.runtime.statusrpc`): the client holds the
 swarm secret like every node (`--secret-file`, else runtime.secret_file of `--config`, else
 $GWTF_SWARM_SECRET, else the development secret on loopback only). It prints the header and
-table `gwtf swarm` draws (`gwtf.runtime.watch`), or the rows as JSON. Unreachable member, wrong
-secret (the member refuses the handshake) or no answer in time: one line, exit 2.
+table `gwtf swarm` draws (`gwtf.runtime.watch`), or the rows as JSON. On a pipe or a file (stdout
+no terminal) the table is printed as wide as it needs, every column in full, and a hint to use
+`--json` goes to stderr once. Unreachable member, wrong secret (the member refuses the handshake)
+or no answer in time: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 
 from gwtf.cli import add_config_arguments, add_secret_argument
 from gwtf.config import Config, load_config
 from gwtf.errors import UserError
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["JSON_HINT", "add_arguments", "run"]
+
+JSON_HINT = "(use --json for machine-readable output)"  # once, on stderr, when stdout is no terminal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +61,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gwtf.runtime.status import stalled_stages
-    from gwtf.runtime.watch import render_watch
+    from gwtf.runtime.watch import print_full_width, render_watch
 
     stages = max((v + (k == "stage") for r in rows for k in ("stage", "stages")
                   if isinstance(v := r.get(k), int)), default=0)
-    Console().print(render_watch(rows, f"gwtf swarm at {args.addr}", stalled_stages(rows, stages)))
+    console = Console()
+    print_full_width(console, render_watch(rows, f"gwtf swarm at {args.addr}", stalled_stages(rows, stages)))
+    if not console.is_terminal:
+        print(JSON_HINT, file=sys.stderr)
     return 0

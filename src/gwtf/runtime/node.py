@@ -4,9 +4,11 @@ Owns the event loop side of a node: the authenticated `Transport` (Send effects 
 per-peer `Outbox`es, optionally delayed by the emulated WAN; `SendFailed` becomes
 `core.on_send_failed`), protocol timers on `loop.call_at` (`TimerTable`), the single torch thread
 (a one-worker executor running `StageWorker` jobs, so heartbeats keep flowing while a stage
-computes), the per-node files (`status.json`, `records.jsonl`), the `READY {json}` line, progress
-lines on stdout, fault injection (`runtime.fault`), graceful leave on SIGINT/SIGTERM/SIGHUP
-(`core.on_leave`, flush, exit 0) and the exit code of a node that gives up (`STOP_EXIT`).
+computes), the per-node files (`status.json`, `records.jsonl`), the `READY {json}` line (listening),
+the `SERVING {json}` line (an active member serving its stage), progress lines on stdout, a line
+per member lost or joined (this node's directory, checked every status tick), fault injection
+(`runtime.fault`), graceful leave on SIGINT/SIGTERM/SIGHUP (`core.on_leave`, flush, exit 0) and
+the exit code of a node that gives up (`STOP_EXIT`).
 
 No torch call runs on the event loop: compute jobs, stage construction and the freeing of torch
 tensors go to the torch thread in emission order (see `gwtf.runtime.drive`). A stall of the loop
@@ -48,7 +50,14 @@ from gwtf.runtime.chaos import fault_from, kill_self
 from gwtf.runtime.clock import Outbox, TimerTable, WanModel
 from gwtf.runtime.status import RECORDS_FILE, STATUS_FILE, RecordLog, dumps, node_dir, write_status
 from gwtf.runtime.transport import SendFailed, Transport, listen_problem, parse_addr
-from gwtf.runtime.watch import NodeStats, progress_line, should_print_progress
+from gwtf.runtime.watch import (
+    MemberSnapshot,
+    NodeStats,
+    member_lines,
+    member_snapshot,
+    progress_line,
+    should_print_progress,
+)
 
 log = logging.getLogger("gwtf.node")
 
@@ -121,6 +130,8 @@ class NodeRuntime:
         self._last_failure = ""
         self._status_due = 0.0
         self.host: drive.Host | None = None
+        self._serving_as: tuple[int, int] | None = None  # (stage, shard) of the last SERVING line
+        self._members_seen: MemberSnapshot | None = None  # the directory as the member lines last saw it
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -150,6 +161,8 @@ class NodeRuntime:
         try:
             self.host = await loop.run_in_executor(self.executor, drive.Host.create, self.cfg, self.ident,
                                                    self.node_id)
+            if self.ident.resume and not self.ident.join:
+                self._say(f"resuming from checkpoint version {self.host.core.start_version}")
             contact = await self._contact_id()
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.add_signal_handler(sig, self._on_signal)
@@ -164,6 +177,8 @@ class NodeRuntime:
             for i, f in enumerate(self.faults.timed):  # t=SECONDS: since the process started (t_s)
                 self.timers.set(("runtime", "fault", i), loop.time() + f.time_s - (time.monotonic() - self.started_s))
             self._apply(self.host.start(loop.time(), contact))
+            if not self.ident.join:
+                self._serving()  # an initial member serves its stage from the start
             await self.stop.wait()
         finally:
             await self._shutdown()
@@ -383,6 +398,7 @@ class NodeRuntime:
     def _on_timer(self, key: Any) -> None:
         if key == ("runtime", "status"):
             self._check_stall()
+            self._check_members()
             self._status_tick()
             return
         if isinstance(key, tuple) and key[:2] == ("runtime", "fault"):
@@ -413,6 +429,7 @@ class NodeRuntime:
         stepped = self.stats.absorb(event, fields)
         if event in drive.ACTIVE_EVENTS or (event == RecordName.STEP and self.state == "joining"):
             self.state = "active"
+            self._serving(fields.get("version"))
         if stepped:
             self._progress()
 
@@ -424,6 +441,46 @@ class NodeRuntime:
         members = len(getattr(self.host.core, "directory", {})) if self.host is not None else 0
         print(progress_line(self.ident.name, self.host.stage if self.host else None, self.stats,
                             self.cfg.train.iterations, members, self.state), flush=True)
+
+    def _say(self, line: str) -> None:
+        """One `gwtf node NAME: ...` line on stderr, also logged."""
+        print(f"gwtf node {self.ident.name}: {line}", file=sys.stderr, flush=True)
+        log.info("%s", line)
+
+    def _serving(self, version: Any = None) -> None:
+        """This node is an active member serving its stage (an initial member at start, a joiner
+        once the leader activated it): one `SERVING {json}` line, again only when it serves
+        another stage or shard (after a move); the member lines start from its directory now."""
+        host = self.host
+        if host is None or host.stage is None:
+            return
+        self._members_seen = member_snapshot(host.core.directory)
+        shard = host.core.me.shard
+        if (host.stage, shard) == self._serving_as:
+            return
+        first = self._serving_as is None
+        self._serving_as = (host.stage, shard)
+        line = {"node": self.node_id, "name": self.ident.name, "role": host.role, "stage": host.stage,
+                "shard": shard if shard >= 0 else None}
+        print("SERVING " + dumps(line), flush=True)
+        log.info("SERVING node=%s stage=%s role=%s shard=%s", self.node_id, host.stage, host.role, line["shard"])
+        if first and self.ident.resume and self.ident.join and isinstance(version, int):
+            self._say(f"resumed at version {version} (the swarm's, from its leader)")
+
+    def _check_members(self) -> None:
+        """Status tick: one line per member that left or entered this node's directory since the
+        last tick (a relay's directory holds the data holders and its neighbour stages only), while
+        it serves. A comparison of two key sets per tick; a snapshot only when they differ."""
+        seen, host = self._members_seen, self.host
+        if seen is None or host is None or self.state != "active" or not host.core.active:
+            return
+        directory = host.core.directory
+        if directory.keys() == seen.keys():
+            return
+        now = member_snapshot(directory)
+        for line in member_lines(seen, now, self.node_id):
+            print(f"gwtf node {self.ident.name}: {line}", file=sys.stderr, flush=True)
+        self._members_seen = now
 
     def _peer_stages(self) -> dict[NodeId, int]:
         """The members this node knows (the status RPC's fan-out), with their stages."""

@@ -14,7 +14,10 @@ Owns:
   and joins, computed from status rows (any source: the local launcher's status files, or the
   rows a member returned to `gwtf status`); a local launcher passes its own crash/join counts.
 - `render_watch`: the header line above `status.render_table`, what `gwtf swarm`, `gwtf demo`
-  and `gwtf status` print.
+  and `gwtf status` print; `print_full_width` prints it to a pipe or a file uncut (rich draws
+  80 columns there, which cut the table's columns to `sta…`).
+- `member_snapshot` / `member_lines`: the lines `gwtf node` prints when a member leaves or joins
+  its directory (`member r1a (stage 1) lost; 5 members`).
 
 Must not import torch or asyncio.
 """
@@ -27,15 +30,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rich.console import Group
+from rich.console import Console, Group, RenderableType
 from rich.text import Text
 
 from gwtf.protocol.kinds import RecordName
 from gwtf.runtime.status import render_table
 
-__all__ = ["NodeStats", "format_eta", "header_text", "progress_line", "render_watch", "swarm_header"]
+__all__ = [
+    "NodeStats", "format_eta", "header_text", "member_line", "member_lines", "member_snapshot",
+    "print_full_width", "progress_line", "render_watch", "swarm_header",
+]
 
 LIVE_STATES = frozenset({"active"})  # a row in this state counts as a member serving its stage
+FULL_WIDTH_MAX = 10_000  # columns a renderable may ask for on a console that is no terminal
 
 
 @dataclass(slots=True)
@@ -182,3 +189,50 @@ def render_watch(rows: Sequence[Mapping[str, Any]], title: str = "", stalled: It
     """The header line above the per-node table (`status.render_table`)."""
     header = header_text(swarm_header(rows, iterations, crashes, joins))
     return Group(Text(header, style="bold"), render_table(rows, title, stalled))
+
+
+def print_full_width(console: Console, renderable: RenderableType) -> None:
+    """Print `renderable`; on a console that is no terminal (a pipe, a file: rich assumes 80
+    columns there, and the table cut its columns to `sta…`), first widen the console to what
+    it needs, so every column and value comes out in full. A terminal keeps its own width."""
+    if not console.is_terminal:
+        needed = console.measure(renderable, options=console.options.update_width(FULL_WIDTH_MAX)).maximum
+        console.width = max(console.width, needed)
+    console.print(renderable)
+
+
+MemberSnapshot = dict[str, tuple[int, int]]
+"""Node id -> (stage, shard) of every member in a node's directory (shard -1: none)."""
+
+
+def member_snapshot(directory: Mapping[str, Any]) -> MemberSnapshot:
+    """The (stage, shard) of every entry of a core's directory (id -> `PeerInfo`)."""
+    return {pid: (int(info.stage), int(info.shard)) for pid, info in directory.items()}
+
+
+def member_line(node: str, stage: int, shard: int, change: str, members: int) -> str:
+    """`member r1a (stage 1) lost; 5 members` or `member j0 (stage 0, data holder, shard 1)
+    joined; 6 members`: the name part of a node id (`NAME~FINGERPRINT/REGION@HOST:PORT`)."""
+    name = node.split("~", 1)[0].split("/", 1)[0].split("@", 1)[0] or node
+    where = f"stage {stage}" if stage >= 0 else "no stage"
+    if stage == 0:
+        where += ", data holder" + (f", shard {shard}" if shard >= 0 else "")
+    return f"member {name} ({where}) {change}; {members} member{'s' if members != 1 else ''}"
+
+
+def member_lines(before: Mapping[str, tuple[int, int]], after: Mapping[str, tuple[int, int]],
+                 me: str) -> list[str]:
+    """One `member_line` per member (other than `me`) that left the directory between two
+    snapshots ("lost": crashed, left, evicted, or moved out of a relay's directory) and per one
+    that entered it ("joined"), in id order, losses first; each line's count is the directory's
+    size (this node included) once the changes up to that line are applied."""
+    lost = sorted(set(before) - set(after) - {me})
+    joined = sorted(set(after) - set(before) - {me})
+    count, out = len(before), []
+    for pid in lost:
+        count -= 1
+        out.append(member_line(pid, *before[pid], "lost", count))
+    for pid in joined:
+        count += 1
+        out.append(member_line(pid, *after[pid], "joined", count))
+    return out

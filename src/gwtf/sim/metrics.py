@@ -42,8 +42,11 @@ def _sig(x: float, digits: int) -> float:
 
 
 class Metrics:
-    def __init__(self, tokens_per_microbatch: int) -> None:
+    def __init__(self, tokens_per_microbatch: int, full_batch: int = 0) -> None:
         self.tokens_per_mb = tokens_per_microbatch
+        self.full_batch = full_batch  # data holders x microbatches: the global batch (0: unknown)
+        self.short: list[dict[str, Any]] = []  # iterations that trained fewer, with the cause
+        self._dh_lost_in: set[int] = set()
         self.busy_s = 0.0
         self.mb_work: dict[int, dict[tuple[str, tuple[str, int]], float]] = {}
         self.useful_s = 0.0
@@ -120,6 +123,8 @@ class Metrics:
             self._iteration_done(now, f)
         elif event == R.DH_LOST:
             self.bump("dh_lost")
+            if f.get("started", -1) != 0:  # (0: its gradient was in the reduction already)
+                self._dh_lost_in.add(f["iteration"])
         elif event == R.ROLLBACK:
             self.bump("rollbacks")
             self.bump("lost_iterations", f["lost_iterations"])
@@ -141,6 +146,9 @@ class Metrics:
                           "dropped_so_far": self.counters.get("microbatches_dropped", 0),
                           "redo_so_far": self.counters.get("redo_inflight", 0)
                           + self.counters.get("redo_aggregation", 0)})
+        if self.full_batch and f["expected"] < self.full_batch:
+            cause = "a data holder lost in it" if it in self._dh_lost_in else "shards with no data holder (batch not held)"
+            self.short.append({"iteration": it, "microbatches": f["expected"], "cause": cause})
         self.last_done = it
         # the steps of iteration it-1 are all applied by now: what is left was never used
         self._discard(self.mb_work.pop(it - 1, {}))
@@ -165,6 +173,9 @@ class Metrics:
         return {
             "training_time_s": round(training_time, 3),
             "iterations": len(self.rows),
+            "full_batch": self.full_batch,
+            "short_iterations": len(self.short),
+            "short_detail": self.short[:20],  # the first ones: iteration, microbatches trained, cause
             "iterations_target": iterations_target,
             "finished": self.finished_at is not None,
             "microbatches": self.microbatches,

@@ -54,7 +54,7 @@ class Simulator:
         self.compute = ComputeModel(random.Random(f"compute:{seed}"), sc.sim.compute_jitter,
                                     sc.sim.checkpoint_bandwidth_bytes_per_s)
         self.checker = InvariantChecker(self.train.stages, sc.sim.progress_bound_s, self.train.iterations)
-        self.metrics = Metrics(self.train.tokens_per_microbatch)
+        self.metrics = Metrics(self.train.tokens_per_microbatch, self.train.data_holders * self.train.microbatches)
         self.cores: dict[str, NodeCore] = {}
         self.dead_at: dict[str, float] = {}
         self.timers: dict[tuple[str, Any], int] = {}  # (node, key) -> engine handle of its pending timer
