@@ -85,3 +85,31 @@ def test_every_original_data_holder_killed_the_leader_first(tmp_path: Path) -> N
         assert _id(swarm, first.name) in leaders or _id(swarm, second.name) in leaders, leaders
         last = _done(swarm) - 1
         assert _holder_starts(swarm, first.name) >= {last} and _holder_starts(swarm, second.name) >= {last}
+
+
+def _any_record(swarm: Swarm, event: str, stage: int | None = None) -> bool:
+    return any(r.get("event") == event and (stage is None or stage in r.get("stages", ()))
+               for recs in swarm.metrics.records.values() for r in recs)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_every_data_holder_killed_at_once_pauses_and_two_joiners_resume(tmp_path: Path) -> None:
+    """No irreplaceable class (issue 42 item 4): kill -9 of both data holders at the same moment.
+    A relay takes the lead, stage 0 is lost and training pauses; two joiners become the data
+    holders of the vacant shards (stage 0 from its checkpoint), the swarm rolls back to it and
+    trains on, the audit clean."""
+    swarm = _swarm(tmp_path, (*DEMO_TIMEOUTS, *DEMO_SHAPE, LONG))
+    with swarm:
+        swarm.start()
+        assert swarm.run_until(7, 60.0), swarm.log_tails()
+        _kill(swarm, "dh0")
+        _kill(swarm, "dh1")
+        _until(swarm, lambda: _any_record(swarm, "stage_lost", 0), 30.0, "the pause (stage 0 lost)")
+        leaders = {n for n, r in _events(swarm, "leader_term")}
+        assert leaders - {"dh0", "dh1"}, leaders  # a relay leads
+        joiners = [swarm.join_node(), swarm.join_node()]
+        _until(swarm, lambda: all(_holder_starts(swarm, j.name) for j in joiners), 90.0,
+               "both joiners training as data holders")
+        assert _any_record(swarm, "rollback")
+        _run_on(swarm, 4, 90.0)

@@ -482,7 +482,7 @@ class Coordinator:
                 return [record(RecordName.JOINER_REASSIGNED, node=pid, stage=stage),
                         self.node.send(pid, Refetch(term=self.node.term, iteration=self.lead.t, stage=stage))]
             info = replace(info, shard=vacant[0])
-        if self.lead.phase == Phase.PAUSED and version != NONE and 0 < info.stage < self.node.S \
+        if self.lead.phase == Phase.PAUSED and version != NONE and 0 <= info.stage < self.node.S \
                 and not self._stage_members()[info.stage]:
             # it restores a lost stage: the swarm can roll back no later than the state it holds
             # (the stage's newest checkpoint may never have been written: its last replica died

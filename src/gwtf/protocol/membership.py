@@ -3,7 +3,8 @@
 Owns:
 - the directory (data holders keep every member, relays the data holders and their
   previous, same and next stage) and the link priors/estimates the router sees;
-- failure detection: every node heartbeats the leader (lowest-id live data holder); the leader
+- failure detection: every node heartbeats the leader (lowest-id live data holder; with none, a
+  member: docs/protocol.md, no irreplaceable class); the leader
   declares a node dead after `evict_after_s` of silence and broadcasts `MemberDown`; nodes
   declare the leader dead the same way and fail over to the next data holder by id. Per-message
   ack deadlines (training part) only *suspect* a peer: it is skipped for routing until it is
@@ -139,9 +140,12 @@ class Membership:
         return out
 
     def keeps(self, p: PeerInfo) -> bool:
-        """Whom this node keeps in its directory: a data holder (a leader candidate) keeps
-        everyone; a relay keeps the data holders and its previous, same and next stage."""
-        if self.node.me.stage == 0 or p.stage == 0 or p.id == self.node.me.id:
+        """Whom this node keeps in its directory. Without bounded views every node keeps every
+        member: any may have to lead (the data holders first; a relay when none is left, issue
+        42: no irreplaceable class). With views (`protocol.view_size`, thousands of nodes) a
+        data holder keeps everyone; a relay keeps the data holders and its previous, same and
+        next stage."""
+        if self.node.cfg.view_size <= 0 or self.node.me.stage == 0 or p.stage == 0 or p.id == self.node.me.id:
             return True
         return (p.stage - self.node.me.stage) % self.node.S in (0, 1, self.node.S - 1)
 
@@ -216,8 +220,12 @@ class Membership:
         return out
 
     def _choose_leader(self) -> NodeId:
+        """The lowest-id data holder; with none left (and every member kept: no bounded views),
+        the lowest-id member."""
         dhs = self.node.data_holders()
-        return min_id(dhs) if dhs else ""
+        if dhs:
+            return min_id(dhs)
+        return min(self.node.directory) if self.node.cfg.view_size <= 0 and self.node.directory else ""
 
     # ---- heartbeats --------------------------------------------------------------------
 
@@ -259,6 +267,10 @@ class Membership:
         cannot start a second leader, and no two nodes lead the same term."""
         candidates = sorted(p for p, i in self.node.directory.items()
                             if i.stage == 0 and p != self.node.leader and p not in self.vote_failed)
+        if not candidates and self.node.cfg.view_size <= 0:
+            # no data holder to lead (every one gone or unreachable): the lowest-id member does;
+            # the swarm pauses (stage 0 is lost) until joiners take the data holders' role
+            candidates = sorted(p for p in self.node.directory if p != self.node.leader and p not in self.vote_failed)
         if not candidates:
             return []
         out: list[Effect] = []

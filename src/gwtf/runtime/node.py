@@ -469,7 +469,8 @@ class NodeRuntime:
 
     def _check_members(self) -> None:
         """Status tick: one line per member that left or entered this node's directory since the
-        last tick (a relay's directory holds the data holders and its neighbour stages only), while
+        last tick (with `protocol.view_size` a relay's directory holds only the data holders and its
+        neighbour stages), while
         it serves. A comparison of two key sets per tick; a snapshot only when they differ."""
         seen, host = self._members_seen, self.host
         if seen is None or host is None or self.state != "active" or not host.core.active:

@@ -262,3 +262,34 @@ def test_a_data_holder_lost_after_the_reducer_holds_its_gradient_is_counted_in_i
     assert done[3] == 9, done
     assert not [f for f in h.events("deal") if f["iteration"] == 3]
     assert _checked(h, dead).violations == []
+
+
+def test_every_data_holder_lost_at_once_pauses_and_two_joiners_resume_the_run() -> None:
+    """No irreplaceable class (issue 42 item 4): with every data holder gone, a relay leads; stage
+    0 is lost, so the swarm pauses; two joiners take the vacant shards (restoring stage 0 from the
+    checkpoint), the swarm rolls back to it and trains to the end, every microbatch once."""
+    train = replace(TRAIN, iterations=10, data_holders=2, microbatches=2)
+    h = Harness(peers((2, 2, 2)), train, cfg=ProtocolConfig(checkpoint_every=2))
+    h.start()
+    h.run(300.0, stop=lambda: any(f["iteration"] == 4 for f in h.events("iteration_done")))
+    dead = {}
+    for n in ("d0", "d1"):
+        h.crash(n)
+        dead[n] = h.now
+    h.run(h.now + 120.0, stop=lambda: bool(h.events("stage_lost")))
+    assert h.events("stage_lost") and h.events("stage_lost")[-1]["stages"] == (0,), h.events("stage_lost")
+    leaders = [f["node"] for f in h.events("leader_change") if f.get("leader") == f["node"]]
+    assert leaders and all(h.cores[n].me.stage >= 1 for n in leaders), leaders  # a relay leads
+    for j in ("j0", "j1"):
+        _joiner(h, j, "b1")  # through a relay that does not lead
+    h.run(h.now + 600.0, stop=lambda: bool(h.events("training_done")))
+    assert h.events("training_done"), "the swarm did not resume"
+    h.run(h.now + 5.0)  # the last Step reaches every replica
+    assert {(h.cores[j].me.stage, h.cores[j].active) for j in ("j0", "j1")} == {(0, True)}
+    assert sorted(h.cores[j].me.shard for j in ("j0", "j1")) == [0, 1]
+    assert h.events("rollback"), "no rollback to the checkpoint"
+    whole = sorted((s, i) for s in range(2) for i in range(2))
+    trained = _trained_data(h)
+    assert all(d == whole for d in trained.values()), {t: d for t, d in trained.items() if d != whole}
+    assert _checked(h, dead).violations == []
+    assert {c.version for c in h.cores.values()} == {10}
