@@ -427,9 +427,8 @@ class Aggregation:
 
     def _over(self, now: float, missing: tuple[int, ...] = ()) -> list[Effect]:
         assert self.ending is not None
-        out: list[Effect] = [self.node.cancel(("ending", 0))] if missing or self.ending[1] else []
-        if missing:
-            out.append(log("warning", "final_copies_missing", version=self.ending[0], stages=missing))
+        out: list[Effect] = [log("warning", "final_copies_missing", version=self.ending[0], stages=missing)] \
+            if missing else []
         return out + [record(RecordName.TRAINING_OVER, node=self.node.me.id, version=self.ending[0],
                              holding=self.node.version, copies_missing=missing)]
 
@@ -441,7 +440,7 @@ class Aggregation:
         v, owed = self.ending
         if version >= v:
             owed.discard(stage)
-        return self._over(now) if not owed else []
+        return [self.node.cancel(("ending", 0))] + self._over(now) if not owed else []
 
     def on_ending_timer(self, _: object, now: float) -> list[Effect]:
         if self.ending is None or not self.ending[1]:

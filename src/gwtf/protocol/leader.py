@@ -294,8 +294,8 @@ class Coordinator:
         data holder serves (a crashed one's, its dealt extras included), once every live data
         holder is done. Empty while a data holder's shard is unknown (as `vacant_extras`)."""
         node = self.node
-        dhs = sorted(node.data_holders())
-        if not node.cfg.hold_batch or not dhs or any(node.directory[p].shard < 0 for p in dhs):
+        dhs = node.members.dealers()
+        if not dhs:
             return []
         served = {tuple(d) for p in dhs for d in self.lead.reports[p].dh_data}
         return [(s, i) for s in range(node.train.data_holders) for i in range(node.train.microbatches)
@@ -305,11 +305,9 @@ class Coordinator:
         """Deal the unserved microbatches round-robin to the live data holders, within this
         iteration (DESIGN.md 3: the batch belongs to the swarm); wait for each one's report
         that names them."""
-        dhs = sorted(self.node.data_holders())
         to: set[NodeId] = set()
-        for k, item in enumerate(missing):
-            dh = dhs[(self.lead.t + k) % len(dhs)]
-            self.lead.dealt.setdefault(dh, []).append(item)
+        for dh, s, i in self.node.members.deal(missing, self.node.members.dealers(), self.lead.t):
+            self.lead.dealt.setdefault(dh, []).append((s, i))
             to.add(dh)
         out: list[Effect] = [record(RecordName.DEAL, iteration=self.lead.t, items=len(missing), to=tuple(sorted(to)))]
         for dh in sorted(to):

@@ -651,13 +651,24 @@ class Membership:
         holders in id order, so the iteration trains the whole global batch, D x M
         (`protocol.hold_batch`; DESIGN.md 3, the batch belongs to the swarm). Pending joiners do
         not serve yet. None while some data holder's shard is unknown (-1)."""
-        dhs = sorted(self.node.data_holders())
-        if not self.node.cfg.hold_batch or not dhs or any(self.node.directory[p].shard < 0 for p in dhs):
-            return ()
+        dhs = self.dealers()
         held = {self.node.directory[p].shard for p in dhs}
-        todo = [(s, i) for s in range(self.node.train.data_holders) if s not in held
-                for i in range(self.node.train.microbatches)]
-        return tuple((dhs[(t + k) % len(dhs)], s, i) for k, (s, i) in enumerate(todo))
+        return self.deal([(s, i) for s in range(self.node.train.data_holders) if s not in held
+                          for i in range(self.node.train.microbatches)], dhs, t)
+
+    def dealers(self) -> list[NodeId]:
+        """The live data holders, in id order, that the batch's microbatches may be dealt to
+        (`protocol.hold_batch`); none while some data holder's shard is unknown (-1)."""
+        dhs = sorted(self.node.data_holders())
+        if not self.node.cfg.hold_batch or any(self.node.directory[p].shard < 0 for p in dhs):
+            return []
+        return dhs
+
+    @staticmethod
+    def deal(items: list[tuple[int, int]], dhs: list[NodeId], t: int) -> tuple[tuple[NodeId, int, int], ...]:
+        """`items` (shard, index) dealt round-robin to `dhs` from an offset that turns with
+        iteration `t`: (data holder, shard, index) each."""
+        return tuple((dhs[(t + k) % len(dhs)], s, i) for k, (s, i) in enumerate(items)) if dhs else ()
 
     def join_assignment(self, msg: JoinRequest, util: tuple[float, ...]) -> tuple[int, int]:
         """Leader: (stage, shard) for a joiner (DESIGN.md 5, data holder crash). The stage it must

@@ -246,7 +246,7 @@ class DataPlane:
         if msg.mb[1] > self.node.iteration:
             self.pending_fwd.append((sender, msg))  # IterStart not seen yet: keep it
             return []
-        if msg.mb[1] < self.node.iteration or not self.node.active or msg.mb[0] in self.lost_origins:
+        if msg.mb[1] < self.node.iteration or not self.node.active or self.void(msg.mb):
             return [log("debug", "stale_forward", mb=msg.mb, sender=sender)]
         if self.node.me.stage == 0:
             return self._dh_return(sender, msg, now)
@@ -304,7 +304,7 @@ class DataPlane:
 
     @handles(msgs.Backward, sender=Sender.NEIGHBOUR)
     def on_backward(self, sender: NodeId, msg: Backward, now: float) -> list[Effect]:
-        if msg.mb[1] != self.node.iteration or msg.mb[0] in self.lost_origins:
+        if msg.mb[1] != self.node.iteration or self.void(msg.mb):
             return []
         pos = self.node.me.stage
         out: list[Effect] = []
@@ -495,7 +495,7 @@ class DataPlane:
     @handles(msgs.Redo, sender=Sender.ANYONE)
     def on_redo(self, sender: NodeId, msg: Redo, now: float) -> list[Effect]:
         """We hold the activation for stage `start`: send it to another replica as a redo chain."""
-        if msg.mb[1] != self.node.iteration or msg.mb[0] in self.lost_origins:
+        if msg.mb[1] != self.node.iteration or self.void(msg.mb):
             return []
         rec: Leg | Origin | None
         if self.node.me.stage == 0:
