@@ -41,12 +41,16 @@ from gwtf.errors import UserError  # noqa: E402
 from gwtf.runtime.swarm import Swarm, SwarmOptions  # noqa: E402
 
 ARMS = {
-    "fp32 + gather": ('wire.activations="fp32"', 'wire.gradients="fp32"', 'protocol.reduce="gather"'),
+    "fp32 + gather": ('wire.activations="fp32"', 'wire.gradients="fp32"', 'protocol.reduce="gather"',
+                      'wire.stage_gradients="fp32"'),
     "bf16 + butterfly": ('wire.activations="bf16"', 'wire.gradients="bf16"', 'protocol.reduce="butterfly"'),
     "bf16 + gather": ('wire.activations="bf16"', 'wire.gradients="bf16"', 'protocol.reduce="gather"'),
     "fp32 + butterfly": ('wire.activations="fp32"', 'wire.gradients="fp32"', 'protocol.reduce="butterfly"'),
+    "int8 + butterfly + int8 stage": ('wire.activations="int8"', 'wire.gradients="int8"', 'protocol.reduce="butterfly"',
+                                      'wire.stage_gradients="int8"'),
 }
-"""The two shipped settings, then each change alone (which of the two costs or pays)."""
+"""The two shipped settings, then each change alone (which of the two costs or pays), then the
+fastest measured in the simulator (docs/wire-formats.md, stage gradients: int8 everywhere)."""
 RUN_LIMIT_S = 600.0
 
 
@@ -107,7 +111,7 @@ def main() -> None:
             for arm, extra in arms.items():
                 t0 = time.monotonic()
                 rows = run_arm((*base, *extra), regions, args.replicas, args.iterations,
-                               Path(tmp) / f"{rnd}-{arm.split()[0]}")
+                               Path(tmp) / f"{rnd}-{list(arms).index(arm)}")
                 got[arm].append(run_stats(rows, args.warmup))
                 tps, it_s = got[arm][-1]
                 print(f"round {rnd + 1} {arm}: {tps:.0f} tokens/s, {it_s:.3f} s/iteration "

@@ -128,6 +128,12 @@ class WireConfig:
     # "int8" (blockwise absmax: 1 byte/value + one float32 scale per block_values values)
     activations: WireFormatName = "fp32"
     gradients: WireFormatName = "fp32"  # activation gradients sent backward; same choices
+    # the within-stage reduction's parts (each replica's gradient, and the reduced mean every
+    # replica applies): same choices; all replicas apply the same decoded mean (bit-identical)
+    stage_gradients: WireFormatName = "fp32"
+    # stage gradients in a lossy format keep the compression residual and add it back next
+    # iteration (error feedback), so the rounding error does not accumulate
+    error_feedback: bool = True
     block_values: int = 4096  # int8 only: values per quantisation block (one float32 scale each)
 
     def __post_init__(self) -> None:

@@ -82,13 +82,14 @@ class TensorRun:
 
 
 def config_for(sc: ScenarioConfig, base: Config) -> Config:
-    """The torch side's config, made consistent with the scenario (model, D, M, K, protocol)."""
+    """The torch side's config, made consistent with the scenario (model, D, M, K, protocol,
+    wire)."""
     m = sc.model
     model = replace(base.model, family=m.family, preset=m.preset, seq_len=m.seq_len,
                     microbatch_size=m.microbatch_size, stages=m.stages)
     train = replace(base.train, data_holders=sc.nodes.data_holders,
                     microbatches=sc.nodes.demand_per_dh or sc.train.microbatches, iterations=sc.train.iterations)
-    return replace(base, model=model, train=train, protocol=sc.protocol)
+    return replace(base, model=model, train=train, protocol=sc.protocol, wire=sc.wire)
 
 
 class TensorSimulator(Simulator):

@@ -19,9 +19,20 @@ def test_scenario_wire_sets_forward_and_backward_bytes(act: str, grad: str) -> N
     assert train.activation_grad_bytes == wire_bytes(NUMEL, grad, 1000)
     assert inst.activation_bytes == train.route_bytes == (train.activation_bytes + train.activation_grad_bytes) // 2
     assert train.stage_grad_bytes == build(load_scenario(None, ['model.preset="tiny"', "model.seq_len=128"]), 0)[
-        1].stage_grad_bytes  # parameter gradients stay float32
+        1].stage_grad_bytes  # stage gradients follow wire.stage_gradients, not these
 
 
 def test_default_is_fp32() -> None:
     _, train = build(load_scenario(None, ['model.preset="tiny"', "model.seq_len=128"]), 0)
     assert train.activation_bytes == train.activation_grad_bytes == 4 * NUMEL
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8"])
+def test_stage_gradient_format_sets_the_reduction_bytes(fmt: str) -> None:
+    """`wire.stage_gradients`: a stage gradient of n parameters costs wire_bytes(n, fmt) in the
+    reduction (the fp32 run's bytes are 4n)."""
+    base = ['model.preset="tiny"', "model.seq_len=128"]
+    fp32 = build(load_scenario(None, base), 0)[1].stage_grad_bytes
+    got = build(load_scenario(None, [*base, f'wire.stage_gradients="{fmt}"', "wire.block_values=1000"]), 0)[1]
+    assert got.stage_grad_bytes == tuple(wire_bytes(b // 4, fmt, 1000) for b in fp32)
+    assert all(g < f for g, f in zip(got.stage_grad_bytes, fp32, strict=True))

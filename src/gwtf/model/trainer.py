@@ -38,6 +38,7 @@ from gwtf.model.data import TokenDataset, load_dataset, resolve_source
 from gwtf.model.device import compute_autocast, peak_memory_bytes, resolve_device
 from gwtf.model.presets import model_spec
 from gwtf.model.stage import FirstStage, build_stage, stage_forward_backward_reference
+from gwtf.model.wire import roundtrip as wire_roundtrip
 
 __all__ = [
     "IterationStats",
@@ -190,12 +191,41 @@ class IterationStats:
     lr: float
 
 
+class StageGradRounding:
+    """`train.local_rounding` of the within-stage reduction (`wire.stage_gradients`): what a swarm
+    does to a stage gradient, emulated in one process with its error feedback. Each data holder
+    (a stage-0 replica) sends its gradient plus its residual rounded; a relay stage is one replica;
+    the reduced mean is rounded again with the stage's owner residual (`runtime.stagegrad`
+    does the same with torch tensors on a node). The residuals live as long as the object: one
+    per `train_local` run (a resumed run starts them at zero, as a swarm's joiner does)."""
+
+    def __init__(self, fmt: str, block_values: int, feedback: bool) -> None:
+        self.fmt, self.block_values, self.feedback = fmt, block_values, feedback
+        self.residuals: dict[tuple[int, int], Tensor] = {}  # (stage, replica or -1 for the mean) -> flat
+
+    def round(self, stage: int, replica: int, grads: Sequence[Tensor]) -> list[Tensor]:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        r = self.residuals.get((stage, replica)) if self.feedback else None
+        e = flat + r if r is not None else flat
+        q = torch.from_numpy(wire_roundtrip(e.detach().float().cpu().contiguous().numpy(), self.fmt,
+                                            self.block_values)).to(flat.device, flat.dtype)
+        if self.feedback:
+            self.residuals[(stage, replica)] = e - q
+        out, offset = [], 0
+        for g in grads:
+            out.append(q[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return out
+
+
 def train_iteration(
     stages: Sequence[nn.Module], optimizers: Sequence[StageOptimizer], dataset: TokenDataset,
     iteration: int, cfg: TrainConfig, wire: WireConfig | None = None,
+    grad_rounding: StageGradRounding | None = None,
 ) -> IterationStats:
     """One synchronous iteration (DESIGN.md section 3) in one process; `wire`: round the stage
-    boundaries as those wire formats do (`train.local_rounding`), None: exact."""
+    boundaries as those wire formats do (`train.local_rounding`), None: exact; `grad_rounding`:
+    round the stage gradients as `wire.stage_gradients` does (None: exact)."""
     formats = None if wire is None else (wire.activations, wire.gradients, wire.block_values)
     d_count, m_count = cfg.data_holders, cfg.microbatches
     planned = d_count * m_count
@@ -213,10 +243,15 @@ def train_iteration(
             tokens += x.numel()
         stage0_grads.append([g.clone() for g in optimizers[0].current_grads()])
         optimizers[0].optimizer.zero_grad(set_to_none=True)  # next data holder = next replica
-    norms = [optimizers[0].step(iteration, aggregate_stage_grads(stage0_grads, [m_count] * d_count, planned))]
-    for opt in optimizers[1:]:
-        relay = aggregate_stage_grads([opt.current_grads()], [planned], planned)
-        norms.append(opt.step(iteration, relay))
+    gr = grad_rounding
+    if gr is not None:
+        stage0_grads = [gr.round(0, d, g) for d, g in enumerate(stage0_grads)]
+    mean0 = aggregate_stage_grads(stage0_grads, [m_count] * d_count, planned)
+    norms = [optimizers[0].step(iteration, mean0 if gr is None else gr.round(0, -1, mean0))]
+    for k, opt in enumerate(optimizers[1:], start=1):
+        mine = opt.current_grads() if gr is None else gr.round(k, 0, opt.current_grads())
+        relay = aggregate_stage_grads([mine], [planned], planned)
+        norms.append(opt.step(iteration, relay if gr is None else gr.round(k, -1, relay)))
     return IterationStats(
         loss=sum(losses) / len(losses), tokens=tokens, grad_norms=norms, lr=lr_at(iteration, cfg)
     )
@@ -392,12 +427,16 @@ def train_local(
     metrics = _read_metrics(metrics_path, start) if resume else []
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in metrics), encoding="utf-8")
     val_batches = dataset.val_microbatches(tc.eval_microbatches)
+    w = cfg.wire
+    rounding = StageGradRounding(w.stage_gradients, w.block_values, w.error_feedback) \
+        if tc.local_rounding and w.stage_gradients != "fp32" else None
     t0 = time.monotonic()
     completed, stopped = start, False
     with metrics_path.open("a", encoding="utf-8") as sink:
         for t in range(start, tc.iterations):
             t_it = time.monotonic()
-            stats = train_iteration(stages, optimizers, dataset, t, tc, cfg.wire if tc.local_rounding else None)
+            stats = train_iteration(stages, optimizers, dataset, t, tc, cfg.wire if tc.local_rounding else None,
+                                    rounding)
             dt = time.monotonic() - t_it
             completed = t + 1
             last = completed == tc.iterations

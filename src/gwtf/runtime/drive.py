@@ -75,6 +75,7 @@ from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.systems import build_core, get_system, iteration_params
 from gwtf.runtime import checkpoints, statefile
 from gwtf.runtime.meter import ComputeMeter, microbatch_kinds
+from gwtf.runtime.stagegrad import StageGradCodec
 from gwtf.runtime.worker import StageWorker, tensor_to_numpy
 
 if TYPE_CHECKING:
@@ -138,6 +139,9 @@ class Host:
         self._arrived: dict[Hashable, int] = {}  # received key -> its arrival number
         self._last_blob: tuple[int, int, np.ndarray] | None = None  # torch thread: the newest checkpoint written
         self.meter = ComputeMeter()  # torch thread: measured compute (`runtime.meter`)
+        # torch thread: stage gradients in `wire.stage_gradients`, with error feedback (`runtime.stagegrad`)
+        self.grad_codec = StageGradCodec(cfg.wire.stage_gradients, cfg.wire.block_values, cfg.wire.error_feedback)
+        self._encoded: set[Hashable] = set()  # torch thread: outputs a job put on the wire itself
         self.pace = StepPace()  # torch thread: tokens and seconds since the last step
         if ident.stage is not None:
             self.worker = self._make_worker(ident.stage)
@@ -229,7 +233,7 @@ class Host:
             raise ValueError(f"{len(tensors)} tensors on a message without a key")
         if self.core.me.stage < 0:
             raise ValueError("tensor received before this node has a stage")
-        if _boundary_kind(key) is not None:
+        if _boundary_kind(key) is not None or _stage_grad_key(key):
             wire_check(tensors, self.cfg.wire.block_values)
         elif len(tensors) != 1:
             raise ValueError(f"{len(tensors)} tensors on a message with a single-tensor key")
@@ -307,7 +311,8 @@ class Host:
     def _publish(self, w: StageWorker, keys: Sequence[Hashable]) -> None:
         """Torch thread: the wire form of a job's outputs, for the sends that follow its completion:
         activations and activation gradients in the [wire] formats (fp32: the array as computed)."""
-        ready = {k: self._wire_form(k, w.to_numpy(k)) for k in keys if k in w.store}
+        ready = {k: self._wire_form(k, w.to_numpy(k)) for k in keys if k in w.store and k not in self._encoded}
+        self._encoded.clear()
         if ready:
             with self._lock:
                 self._wire.update(ready)
@@ -373,15 +378,28 @@ class Host:
                 w.backward(eff.mb, ins[0], None)
             case ComputeKind.EXPORT_GRAD:  # several keys: the butterfly's parts (views of one copy)
                 flat = w.grads_flat()
-                for key, part in zip(outs, torch.tensor_split(flat, len(outs)) if len(outs) > 1 else (flat,),
-                                     strict=True):
-                    w.store[key] = part
-                    self.grad_counts[key] = w.microbatches_accumulated
+                if self.grad_codec.lossy:
+                    coded = self.grad_codec.export(flat, len(outs), int(outs[0][2]), int(outs[0][4]))
+                    for key, (part, arrays) in zip(outs, coded, strict=True):
+                        self._put_encoded(w, key, part, arrays)
+                        self.grad_counts[key] = w.microbatches_accumulated
+                else:
+                    for key, part in zip(outs, torch.tensor_split(flat, len(outs)) if len(outs) > 1 else (flat,),
+                                         strict=True):
+                        w.store[key] = part
+                        self.grad_counts[key] = w.microbatches_accumulated
             case ComputeKind.RESET_GRAD:
                 w.zero_grads()
             case ComputeKind.REDUCE:
-                w.store[outs[0]] = w.reduce([w.store[k] for k in ins], eff.count)
-                self.grad_counts[outs[0]] = eff.count
+                mean = w.reduce([w.store[k] for k in ins], eff.count)
+                out_key = outs[0]
+                if self.grad_codec.lossy:  # gather's reducer: part 0 of 1; a butterfly owner: its part
+                    j = int(out_key[5]) if len(out_key) > 5 else 0
+                    dec, arrays = self.grad_codec.reduced(mean, j, int(out_key[2]), int(out_key[4]))
+                    self._put_encoded(w, out_key, dec, arrays)
+                else:
+                    w.store[out_key] = mean
+                self.grad_counts[out_key] = eff.count
             case ComputeKind.CONCAT:
                 w.store[outs[0]] = torch.cat([w.store[k] for k in ins])
                 self.grad_counts[outs[0]] = eff.count
@@ -394,8 +412,10 @@ class Host:
                 out.records.append((RecordName.STATE_EXPORTED, {"stage": w.stage, "version": outs[0][2],
                                                        "hash": w.weights_hash()}))
             case ComputeKind.IMPORT_STATE:
+                self.grad_codec.reset()
                 out.records.append(self._import_state(w, ins[0]))
             case ComputeKind.LOAD_CHECKPOINT:
+                self.grad_codec.reset()
                 self._load_checkpoint(w, outs[0])
                 out.records.append((RecordName.STATE_LOADED, {"stage": w.stage, "version": outs[0][2],
                                                      "hash": w.weights_hash()}))
@@ -404,6 +424,13 @@ class Host:
             case _:
                 assert_never(kind)  # raises on a kind this driver does not know
         return out
+
+    def _put_encoded(self, w: StageWorker, key: Hashable, value: torch.Tensor, arrays: list[np.ndarray]) -> None:
+        """Torch thread: `value` (decoded) in the store and its wire arrays, for the sends that follow."""
+        w.store[key] = value
+        self._encoded.add(key)
+        with self._lock:
+            self._wire[key] = arrays
 
     def _import_state(self, w: StageWorker, key: Sequence[Any]) -> tuple[RecordName, dict[str, Any]]:
         """Install fetched state: a replica's live state ("state" key), or a data holder's copy
@@ -460,6 +487,7 @@ class Host:
         # a copy: the step clips its gradient in place, and the reduced gradient may still be on
         # its way to the other replicas (its wire form shares the tensor's memory)
         h = w.apply_step(iteration, w.store[key].clone())
+        self.grad_codec.stepped(iteration, int(key[4]))
         version = iteration + 1
         if checkpoint_due(version, self.cfg.protocol.checkpoint_every, self.cfg.train.iterations):
             self._save_checkpoint(w, version)
@@ -490,6 +518,7 @@ class Host:
         """A worker for `stage`; tensors already received (keyed by the protocol) are kept. A node
         the leader made a data holder (a joiner on a vacant shard) loads the corpus now and serves
         the shard its Welcome named."""
+        self.grad_codec.reset()
         shard = self.ident.shard
         if stage == 0:
             if self.dataset is None:
@@ -550,6 +579,11 @@ def _boundary_kind(key: Hashable) -> str | None:
     return BOUNDARY_KINDS.get(key[0]) if isinstance(key, tuple) and key and isinstance(key[0], str) else None
 
 
+def _stage_grad_key(key: Hashable) -> bool:
+    """A within-stage reduction's tensor ("pgrad" / "rgrad": `wire.stage_gradients`)."""
+    return isinstance(key, tuple) and bool(key) and key[0] in ("pgrad", "rgrad")
+
+
 def _plain_float(arrays: Sequence[np.ndarray]) -> bool:
     """One float32/float64 array: the fp32 wire form (the tensor simulator computes in float64)."""
     return len(arrays) == 1 and arrays[0].dtype in (np.float32, np.float64) and arrays[0].dtype.metadata is None
@@ -569,7 +603,8 @@ def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
                                 w.gradients, w.block_values)
     return iteration_params(spec, stages=cfg.model.stages, microbatch_size=cfg.model.microbatch_size,
                             seq_len=cfg.model.seq_len, microbatches=cfg.train.microbatches,
-                            iterations=cfg.train.iterations, wire_bytes=sizes, data_holders=cfg.train.data_holders)
+                            iterations=cfg.train.iterations, wire_bytes=sizes, data_holders=cfg.train.data_holders,
+                            grad_bytes=lambda n: wire.wire_bytes(n, w.stage_gradients, w.block_values))
 
 
 

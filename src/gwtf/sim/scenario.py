@@ -33,7 +33,7 @@ from gwtf.flow.instance import Instance
 from gwtf.flow.network import CONTROL_BYTES
 from gwtf.flow.profiles import resolve_mix
 from gwtf.model.presets import model_spec
-from gwtf.model.wire import boundary_bytes
+from gwtf.model.wire import boundary_bytes, wire_bytes
 from gwtf.protocol.faults import Fault as Fault  # re-exported: the scenario's [[faults]] entries
 from gwtf.protocol.faults import check_role, parse_fault, require
 from gwtf.protocol.ledger import TrainParams
@@ -212,6 +212,7 @@ def build(sc: ScenarioConfig, seed: int) -> tuple[Instance, TrainParams]:
                            w.block_values)
     train = iteration_params(spec, stages=m.stages, microbatch_size=m.microbatch_size, seq_len=m.seq_len,
                              microbatches=demand, iterations=sc.train.iterations, wire_bytes=sizes,
+                             grad_bytes=lambda n: wire_bytes(n, w.stage_gradients, w.block_values),
                              data_holders=len(inst.by_stage[0]))
     if train.route_bytes != inst.activation_bytes:  # the central optimum prices the same bytes
         inst = replace(inst, activation_bytes=train.route_bytes)
