@@ -198,12 +198,23 @@ def newest_complete(ckpt_dir: Path, stages: int, warn: Warn | None = None) -> in
     return None
 
 
+def _holdings(ckpt_dir: Path, stages: int) -> str:
+    """What each stage has complete, for the error that says why nothing can be resumed:
+    "stage 0: v10, v5; stage 1: none"."""
+    parts = []
+    for k in range(stages):
+        done = [v for v in sorted(versions(ckpt_dir, k), reverse=True) if v > 0 and verify_version(ckpt_dir, k, v) is None]
+        parts.append(f"stage {k}: " + (", ".join(f"v{v}" for v in done) if done else "none"))
+    return "; ".join(parts)
+
+
 def resume_version(ckpt_dir: Path, stages: int, iterations: int, every: int, warn: Warn | None = None) -> int:
     """The version `--resume` continues from: `newest_complete`, checked against the config
     (UserError: nothing to resume from, or checkpoint_every changed; NothingToDo: the run is finished)."""
     version = newest_complete(ckpt_dir, stages, warn)
     if version is None:
-        raise UserError(f"nothing to resume from: {ckpt_dir} has no checkpoint complete for all {stages} stages")
+        raise UserError(f"nothing to resume from: {ckpt_dir} has no checkpoint complete for all {stages} stages "
+                        f"({_holdings(ckpt_dir, stages)})")
     if iterations and version >= iterations:
         raise NothingToDo(f"the run is finished: every stage's checkpoint in {ckpt_dir} is at version {version} "
                           f"and train.iterations={iterations}; nothing to resume (raise --iterations to train on)")
