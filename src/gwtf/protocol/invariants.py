@@ -18,9 +18,11 @@ there are none.
 3. Progress / no microbatch in flight forever: an iteration completes at least every
    `progress_bound_s` unless a whole stage is lost; at the end, all live active replicas hold
    the same version. A run that ends before its iterations is excused only for a reason the
-   checker names (`stop_reason`): "no data holder left", or "stage K lost with no node left
-   for it" (no live node that could still take the stage over, e.g. a joiner); anything else
-   (a joiner waiting on a dead state source, a lost quorum, a hang) is a deadlock.
+   checker names (`stop_reason`): "stage K lost with no node left for it" (no live node that
+   could still take the stage over, e.g. a joiner; stage 0 is no exception: joiners become data
+   holders), or, only where a swarm without data holders cannot elect a leader (bounded views,
+   `protocol.view_size`: `leaderless_stops`), "no data holder left"; anything else (a joiner
+   waiting on a dead state source, a lost quorum, a hang) is a deadlock.
 4. Fenced leadership: no two nodes lead the same term (`leader_term` records), and no
    (stage, version) is stepped with two different contents (round and contributors) by
    replicas that are still alive: `divergent_step` in 2.
@@ -36,8 +38,10 @@ MAX_KEPT = 50
 
 
 class InvariantChecker:
-    def __init__(self, stages: int, progress_bound_s: float, iterations: int = 0) -> None:
+    def __init__(self, stages: int, progress_bound_s: float, iterations: int = 0,
+                 leaderless_stops: bool = False) -> None:
         self.stages = stages
+        self.leaderless_stops = leaderless_stops  # losing every data holder may end the run (see 3.)
         self.iterations = iterations  # the run's length (0: unknown): no step may go past it
         self.progress_bound_s = progress_bound_s
         self.violations: list[str] = []
@@ -163,7 +167,7 @@ class InvariantChecker:
             self.violate(f"final_versions_differ: {sorted(set(versions.values()))}")
         if finished:
             return
-        self.stop_reason = stop_reason(self.stages, live) if live is not None else \
+        self.stop_reason = stop_reason(self.stages, live, self.leaderless_stops) if live is not None else \
             ("a stage lost" if stage_lost else "")
         if not self.stop_reason:
             self.violate(f"deadlock: run ended at t={now:.1f} before its iterations, "
@@ -171,11 +175,12 @@ class InvariantChecker:
             self._progress(now)
 
 
-def stop_reason(stages: int, live: dict[str, tuple[int, bool]]) -> str:
-    """The allowed reason an unfinished run stopped, or "" when there is none: no data holder
-    left, or a stage with no active replica and no live node that could still take it (a node
-    not yet active: a joiner, which would take the lost stage)."""
-    if not any(stage == 0 and active for stage, active in live.values()):
+def stop_reason(stages: int, live: dict[str, tuple[int, bool]], leaderless_stops: bool = False) -> str:
+    """The allowed reason an unfinished run stopped, or "" when there is none: a stage with no
+    active replica and no live node that could still take it (a node not yet active: a joiner,
+    which would take the lost stage, stage 0 included); with `leaderless_stops` (bounded views:
+    relays cannot lead) also no data holder left."""
+    if leaderless_stops and not any(stage == 0 and active for stage, active in live.values()):
         return "no data holder left"
     covered = {stage for stage, active in live.values() if active}
     lost = [k for k in range(stages) if k not in covered]
