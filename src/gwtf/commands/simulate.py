@@ -5,7 +5,8 @@ outputs: DIR/summary.json ({system: metrics}, no wall-clock values: same seed, s
 DIR/timeline.csv (one row per completed iteration and system), DIR/scenario.resolved.toml and
 the plots of `gwtf.sim.plots` (throughput.png, cumulative.png, systems.png).
 By default it runs gwtf and SWARM on the same nodes and churn trace (`--systems` picks one or
-others) and prints one column per system, every row labelled with its unit.
+others) and prints one column per system, every row labelled with its unit; beside the achieved
+time per iteration the table and summary.json give its physical lower bound (`sim.bound`).
 Scenario knobs are `--set section.key=value` overrides, not flags.
 """
 
@@ -34,6 +35,9 @@ DEFAULT_SYSTEMS = "gwtf,swarm"  # a comparison unless --systems names one
 # (summary key, label with its unit, how the value is shown)
 TABLE = (
     ("training_time_s", "time to K iterations [s]", "s"),
+    ("iteration_s", "time per iteration [s]", "s"),
+    ("bound_s", "iteration bound [s] (term)", "b"),
+    ("achieved_over_bound", "achieved / bound [x]", "x"),
     ("iterations", "iterations completed [count]", "n"),
     ("throughput_microbatches_per_s", "throughput [microbatches/s]", "r"),
     ("throughput_tokens_per_s", "throughput [tokens/s]", "r"),
@@ -51,15 +55,16 @@ TABLE = (
 
 
 def format_value(value: Any, kind: str) -> str:
-    """A table cell: seconds with 2 decimals, counts as integers, rates with 4 significant
-    digits, fractions as percentages; "-" when the summary has no such value."""
+    """A table cell: seconds with 2 decimals (`b`: the iteration bound, seconds too), counts as
+    integers, rates with 4 significant digits, fractions as percentages, ratios (`x`) with 2
+    decimals; "-" when the summary has no such value."""
     if value is None or value == "" or isinstance(value, bool):
         return "-" if value in (None, "") else str(value)
     if not isinstance(value, (int, float)):
         return str(value)
     if kind == "%":
         return f"{100 * value:.2f}%"
-    if kind == "s":
+    if kind in ("s", "b", "x"):
         return f"{value:,.2f}"
     if kind == "n":
         return f"{int(value):,}"
@@ -145,6 +150,14 @@ def _write_timeline(path: Path, rows: list[dict[str, Any]]) -> None:
             w.writerow({k: row.get(k, "") for k in fields})
 
 
+def _cell(summary: dict[str, Any], key: str, kind: str) -> str:
+    """One system's cell; the bound row names its binding term: "2.86 (route)"."""
+    text = format_value(summary.get(key), kind)
+    if kind == "b" and summary.get(key) is not None:
+        text += f" ({summary.get('bound_term', '-')})"
+    return text
+
+
 def _print_table(summaries: dict[str, dict[str, Any]], out: Path) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -155,7 +168,7 @@ def _print_table(summaries: dict[str, dict[str, Any]], out: Path) -> None:
     for name in summaries:
         table.add_column(name, justify="right")
     for key, label, kind in TABLE:
-        table.add_row(escape(label), *(format_value(s.get(key), kind) for s in summaries.values()))
+        table.add_row(escape(label), *(_cell(s, key, kind) for s in summaries.values()))
     console = Console()
     console.print(table)
     for name, s in summaries.items():

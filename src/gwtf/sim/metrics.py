@@ -18,7 +18,9 @@ Owns: `Metrics`, fed by the simulator with Records, compute jobs and churn event
   the protocol's recovery costs. The two sum to discarded_s / discarded_fraction;
 - gpu_waste_fraction (a contract too) split in two shares of available_s that sum to it:
   discarded_waste_fraction = discarded_s / available_s and idle_fraction = idle_s /
-  available_s (GPUs waiting, mostly for the network).
+  available_s (GPUs waiting, mostly for the network);
+- iteration_s = training_time_s / iterations beside the iteration's physical lower bound
+  (`sim.bound`, a property of the initial instance): `iteration_fields`.
 Seconds are rounded to 9 significant digits and fractions to 6, never to fixed decimals: a tiny
 model computes for milliseconds, and 3 decimals rounded its discarded_s to 0.0.
 
@@ -27,9 +29,11 @@ Must not import torch, asyncio, socket, threading or time.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gwtf.protocol.kinds import RecordName as R
+from gwtf.sim.bound import IterationBound
 
 COUNTED = frozenset({R.REROUTE, R.REDO, R.MB_RESTART, R.RESET, R.ABANDONED, R.EVICT, R.JOIN, R.DUP_RETURN,
                      R.MB_INCOMPLETE, R.CHAIN_FAILED, R.LEADER_TAKEOVER, R.STAGE_LOST, R.SELF_STOP})
@@ -39,6 +43,31 @@ COUNTED = frozenset({R.REROUTE, R.REDO, R.MB_RESTART, R.RESET, R.ABANDONED, R.EV
 def _sig(x: float, digits: int) -> float:
     """`x` rounded to `digits` significant digits."""
     return float(f"{x:.{digits}g}")
+
+
+def _sig_or_none(x: float, digits: int) -> float | None:
+    return _sig(x, digits) if math.isfinite(x) else None
+
+
+def iteration_fields(training_time_s: float, iterations: int, bound: IterationBound) -> dict[str, Any]:
+    """summary.json's time per iteration beside its lower bound (a contract, docs/simulator.md).
+
+    `iteration_s` is null with no iteration completed, `achieved_over_bound` (4 decimals) null
+    when either side is undefined (no iteration, a bound of 0 or infinite).
+    """
+    iteration_s = training_time_s / iterations if iterations > 0 else None
+    b = bound.bound_s
+    ratio = round(iteration_s / b, 4) if iteration_s is not None and 0 < b < math.inf else None
+    return {
+        "iteration_s": _sig(iteration_s, 9) if iteration_s is not None else None,
+        "bound_s": _sig_or_none(b, 9),
+        "bound_compute_s": _sig_or_none(bound.compute_s, 9),
+        "bound_traffic_s": _sig_or_none(bound.traffic_s, 9),
+        "bound_reduction_s": _sig_or_none(bound.reduction_s, 9),
+        "bound_route_s": _sig_or_none(bound.route_s, 9),
+        "bound_term": bound.term,
+        "achieved_over_bound": ratio,
+    }
 
 
 class Metrics:

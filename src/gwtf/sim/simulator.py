@@ -34,9 +34,10 @@ from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 from gwtf.protocol.systems import System, build_core, get_system
 from gwtf.protocol.view import Roster
+from gwtf.sim.bound import iteration_bound
 from gwtf.sim.churn import ChurnEvent, join_times, link_windows, node_lifetime_event, read_trace
 from gwtf.sim.engine import Engine
-from gwtf.sim.metrics import Metrics
+from gwtf.sim.metrics import Metrics, iteration_fields
 from gwtf.sim.models import ComputeModel, LinkWindow, NetworkModel
 from gwtf.sim.scenario import ScenarioConfig, build
 
@@ -53,7 +54,8 @@ class Simulator:
         self.net = NetworkModel(self.inst.network, sc.sim.control_bytes, sc.nodes.downlink_bytes_per_s)
         self.compute = ComputeModel(random.Random(f"compute:{seed}"), sc.sim.compute_jitter,
                                     sc.sim.checkpoint_bandwidth_bytes_per_s)
-        self.checker = InvariantChecker(self.train.stages, sc.sim.progress_bound_s, self.train.iterations)
+        self.checker = InvariantChecker(self.train.stages, sc.sim.progress_bound_s, self.train.iterations,
+                                        leaderless_stops=sc.protocol.view_size > 0)
         self.metrics = Metrics(self.train.tokens_per_microbatch, self.train.data_holders * self.train.microbatches)
         self.cores: dict[str, NodeCore] = {}
         self.dead_at: dict[str, float] = {}
@@ -316,6 +318,9 @@ class Simulator:
         out["violations"] = self.checker.violations[:10]
         out["events"] = self.engine.events_run
         out["nodes_end"] = len(self.cores)
+        # the initial instance's bound (cached: every system of one scenario + seed shares it)
+        bound = iteration_bound(self.inst, self.train, self.sc.nodes.downlink_bytes_per_s)
+        out.update(iteration_fields(out["training_time_s"], out["iterations"], bound))
         return out
 
 
