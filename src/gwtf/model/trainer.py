@@ -37,8 +37,7 @@ from gwtf.model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gwtf.model.data import TokenDataset, load_dataset, resolve_source
 from gwtf.model.device import compute_autocast, peak_memory_bytes, resolve_device
 from gwtf.model.presets import model_spec
-from gwtf.model.stage import FirstStage, build_stage, stage_forward_backward_reference
-from gwtf.model.wire import roundtrip as wire_roundtrip
+from gwtf.model.stage import FirstStage, build_stage, round_on_wire, stage_forward_backward_reference
 
 __all__ = [
     "IterationStats",
@@ -207,8 +206,7 @@ class StageGradRounding:
         flat = torch.cat([g.reshape(-1) for g in grads])
         r = self.residuals.get((stage, replica)) if self.feedback else None
         e = flat + r if r is not None else flat
-        q = torch.from_numpy(wire_roundtrip(e.detach().float().cpu().contiguous().numpy(), self.fmt,
-                                            self.block_values)).to(flat.device, flat.dtype)
+        q = round_on_wire(e, self.fmt, self.block_values)
         if self.feedback:
             self.residuals[(stage, replica)] = e - q
         out, offset = [], 0
