@@ -378,16 +378,17 @@ class Host:
                 w.backward(eff.mb, ins[0], None)
             case ComputeKind.EXPORT_GRAD:  # several keys: the butterfly's parts (views of one copy)
                 flat = w.grads_flat()
+                coded: Sequence[tuple[torch.Tensor, list[np.ndarray] | None]]  # (part, its wire arrays or None: fp32)
                 if self.grad_codec.lossy:
                     coded = self.grad_codec.export(flat, len(outs), int(outs[0][2]), int(outs[0][4]))
-                    for key, (part, arrays) in zip(outs, coded, strict=True):
-                        self._put_encoded(w, key, part, arrays)
-                        self.grad_counts[key] = w.microbatches_accumulated
                 else:
-                    for key, part in zip(outs, torch.tensor_split(flat, len(outs)) if len(outs) > 1 else (flat,),
-                                         strict=True):
+                    coded = [(part, None) for part in (torch.tensor_split(flat, len(outs)) if len(outs) > 1 else (flat,))]
+                for key, (part, arrays) in zip(outs, coded, strict=True):
+                    if arrays is None:
                         w.store[key] = part
-                        self.grad_counts[key] = w.microbatches_accumulated
+                    else:
+                        self._put_encoded(w, key, part, arrays)
+                    self.grad_counts[key] = w.microbatches_accumulated
             case ComputeKind.RESET_GRAD:
                 w.zero_grads()
             case ComputeKind.REDUCE:
