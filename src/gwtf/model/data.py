@@ -29,6 +29,7 @@ import torch
 from gwtf.config import DataConfig, ModelConfig
 from gwtf.errors import UserError
 from gwtf.model.tokenizer import Tokenizer, load_or_train_tokenizer
+from gwtf.model.tokenizer import cache_key as tokenizer_cache_key
 
 __all__ = [
     "SHAKESPEARE_SPEC",
@@ -317,7 +318,7 @@ def _encode_docs(tok: Tokenizer, docs: list[tuple[str, str]]) -> np.ndarray:
 
 
 def _load_tokens(data_cfg: DataConfig, corpus: Corpus, tok: Tokenizer) -> np.ndarray:
-    key = "byte" if data_cfg.tokenizer == "byte" else f"bpe-v{data_cfg.vocab_size}"
+    key = tokenizer_cache_key(data_cfg)
     path = corpus.cache_dir / f"tokens-{key}-{corpus.sha256[:16]}.npy"
     if path.is_file():
         try:

@@ -156,6 +156,12 @@ def vocab_size_for(data_cfg: DataConfig) -> int:
     return BYTE_VOCAB_SIZE if data_cfg.tokenizer == "byte" else data_cfg.vocab_size
 
 
+def cache_key(data_cfg: DataConfig) -> str:
+    """The tag naming this tokenizer in token-cache file names ("byte", "bpe-v2048", ...): two
+    configs with the same key tokenize every corpus identically."""
+    return "byte" if data_cfg.tokenizer == "byte" else f"bpe-v{data_cfg.vocab_size}"
+
+
 def load_or_train_tokenizer(
     data_cfg: DataConfig, texts: Sequence[str], corpus_sha: str, cache_dir: Path
 ) -> Tokenizer:
