@@ -305,6 +305,10 @@ def test_the_multi_host_doc_on_loopback_addresses(tmp_path: Path) -> None:
         for m in survivors:  # OUT/nodes/<name>/stdout.log has what the terminal showed
             assert any("training finished (" in line for line in m.log()), m.name
 
+        # every data holder's own folder holds the final version of every stage (issue 44)
+        for m in machines[:2]:
+            assert newest_complete(m.dir / m.out / "checkpoints", 3) == ITERATIONS, \
+                (m.name, [r for r in m.records() if r.get("event") in ("final_copies_wait", "training_over")])
         # Resuming the finished swarm (the doc's resume command of the first node): one line, exit 0
         resumed = subprocess.run(
             _gwtf("node", "--listen", a.listen, "--role", "data-holder", "--name", "dh0", "--out", a.out,

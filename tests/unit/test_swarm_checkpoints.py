@@ -146,3 +146,23 @@ def test_resuming_a_finished_run_says_so_and_is_not_an_error(tmp_path: Path, cap
                      "--resume", "--iterations", "5"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 0 and len(err) == 1 and "the run is finished" in err[0], (code, err)
+
+
+def test_resuming_a_finished_run_without_its_final_copies_names_them(tmp_path: Path) -> None:
+    """A data holder whose final copy of a relay stage never came (a loaded box: its bounded wait
+    ran out) used to resume from the older complete version and wait for good for nodes of a run
+    that was over: its records say the run ended, so it is an error naming the stage instead."""
+    _write_versions(tmp_path, (5, 10))
+    for name in ("v10.safetensors", "v10.json"):
+        (tmp_path / "checkpoints" / "stage2" / name).unlink()
+    records = tmp_path / "nodes" / "dh0" / "records.jsonl"
+    records.parent.mkdir(parents=True)
+    assert checkpoints.training_ended(records) is None  # no records: the node never saw the end
+    records.write_text('{"event": "stepped", "iteration": 9}\n{"event": "training_over", "version": 10, '
+                       '"copies_missing": [2]}\n{"event": "trai')  # the last line cut by a crash
+    assert checkpoints.training_ended(records) == 10
+    with pytest.raises(UserError, match=r"the run finished at version 10, but .* lacks that version of stage\(s\) 2 "):
+        checkpoints.resume_version(tmp_path / "checkpoints", 3, 10, 5, ended=10)
+    # a run stopped before its end resumes from what is complete, whatever the records say
+    assert checkpoints.resume_version(tmp_path / "checkpoints", 3, 10, 5, ended=None) == 5
+    assert checkpoints.resume_version(tmp_path / "checkpoints", 3, 20, 5, ended=10) == 5  # trains on to 20

@@ -193,7 +193,8 @@ def _check_out(out: Path, name: str, bootstrap: bool, resume: bool, cfg: Config)
                             "or use another --out")
         return
     if bootstrap:
-        checkpoints.resume_version(ckpt, cfg.model.stages, cfg.train.iterations, cfg.protocol.checkpoint_every)
+        checkpoints.resume_version(ckpt, cfg.model.stages, cfg.train.iterations, cfg.protocol.checkpoint_every,
+                                   ended=checkpoints.training_ended(out / "nodes" / name / RECORDS_FILE))
 
 
 class _Tee(io.TextIOBase):

@@ -208,10 +208,40 @@ def _holdings(ckpt_dir: Path, stages: int) -> str:
     return "; ".join(parts)
 
 
-def resume_version(ckpt_dir: Path, stages: int, iterations: int, every: int, warn: Warn | None = None) -> int:
+def training_ended(records: Path) -> int | None:
+    """The weight version a node's records say its run ended at (its last `training_over`
+    record), or None: the node never saw the run end (or the file is unreadable)."""
+    ended: int | None = None
+    try:
+        with records.open("rb") as fh:
+            for line in fh:
+                if b'"training_over"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a crash
+                if isinstance(rec, dict) and rec.get("event") == "training_over" and isinstance(rec.get("version"), int):
+                    ended = rec["version"]
+    except OSError:
+        return None
+    return ended
+
+
+def resume_version(ckpt_dir: Path, stages: int, iterations: int, every: int, warn: Warn | None = None,
+                   ended: int | None = None) -> int:
     """The version `--resume` continues from: `newest_complete`, checked against the config
-    (UserError: nothing to resume from, or checkpoint_every changed; NothingToDo: the run is finished)."""
+    (UserError: nothing to resume from, or checkpoint_every changed; NothingToDo: the run is finished).
+    `ended`: the version this folder's node saw the run end at (`training_over`). A finished run
+    whose final version is not complete here (a data holder's final copy of a relay stage never
+    came) is a UserError naming the stages that lack it: resuming from an older version would
+    wait for nodes that will never come, as the run is over."""
     version = newest_complete(ckpt_dir, stages, warn)
+    if ended is not None and iterations and ended >= iterations and (version is None or version < ended):
+        lacking = [k for k in range(stages) if verify_version(ckpt_dir, k, ended) is not None]
+        raise UserError(f"the run finished at version {ended}, but {ckpt_dir} lacks that version of stage(s) "
+                        f"{', '.join(map(str, lacking))} (its final copies never came; {_holdings(ckpt_dir, stages)}): "
+                        "copy them from a node that served the stage, or run `gwtf audit` on the gathered folders")
     if version is None:
         raise UserError(f"nothing to resume from: {ckpt_dir} has no checkpoint complete for all {stages} stages "
                         f"({_holdings(ckpt_dir, stages)})")
