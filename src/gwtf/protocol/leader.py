@@ -90,6 +90,9 @@ class LeaderState:
     admitting: set[NodeId] = field(default_factory=set)  # joiners the held iteration start waits for
     admit_until_s: float = 0.0
     lost_shards: set[int] = field(default_factory=set)  # shards whose data holder died during this iteration
+    # data holders lost during this round's commit whose gradient the commit still counted -> shard:
+    # if the round breaks after all, their microbatches are lost like any dead data holder's
+    standing: dict[NodeId, int] = field(default_factory=dict)
     dealt: dict[NodeId, list[tuple[int, int]]] = field(default_factory=dict)  # data holder -> (shard, index) dealt again
 
 
@@ -144,6 +147,7 @@ class Coordinator:
         self.lead.reports, self.lead.expected, self.lead.pending = {}, {}, {}
         self.lead.haves, self.lead.commit_set = set(), set()
         self.lead.lost_shards = set()
+        self.lead.standing = {}
         self.lead.dealt = {}
         out: list[Effect] = [record(RecordName.ITER_START, iteration=t, members=len(self.node.directory))]
         held: list[NodeId] = []
@@ -410,6 +414,7 @@ class Coordinator:
             # its gradient is in the reduction already (the commit stands): its microbatches
             # are trained, and counted (the iteration's `expected`)
             out.append(record(RecordName.DH_LOST, node=pid, iteration=self.lead.t, started=0))
+            self.lead.standing[pid] = shard
         elif stage == 0 and self.lead.phase in (Phase.RUN, Phase.COLLECT, Phase.COMMIT, Phase.RECOVER):
             dropped = self.lead.expected.pop(pid, None)
             self.lead.lost_shards.add(shard)
@@ -420,13 +425,29 @@ class Coordinator:
             return out
         if any(not m for m in self._stage_members()):
             return out + self._pause(now)
+        voided = broken and self._void_standing(out)
         if broken:
             self.lead.phase = Phase.COLLECT  # agree again (new round, new reducer)
-        if stage == 0 and self.lead.phase == Phase.COLLECT and self.node.cfg.hold_batch:
+        if (stage == 0 or voided) and self.lead.phase == Phase.COLLECT and self.node.cfg.hold_batch:
             self.lead.phase = Phase.RUN  # its microbatches are dealt again first (`_deal`)
         if self.lead.phase == Phase.RECOVER:
             return out + self._recover_check(now)
         return out + self._check(now)
+
+    def _void_standing(self, out: list[Effect]) -> bool:
+        """The round breaks: a data holder lost earlier in it, whose gradient that round still
+        counted, has no gradient in the next one (it is gone, and rounds key every tensor). Its
+        microbatches are lost as if it had died before the commit (dealt again with the batch
+        held; relays' parts of them void). Without this the new round planned a redo chain from
+        the dead data holder, for good (faultgen seeds 143 and 342 with the butterfly: a relay
+        owning a part died after a data holder left during the same commit). True if any."""
+        standing, self.lead.standing = self.lead.standing, {}
+        for dh, shard in sorted(standing.items()):
+            dropped = self.lead.expected.pop(dh, None)
+            self.lead.lost_shards.add(shard)
+            out.append(record(RecordName.DH_LOST, node=dh, iteration=self.lead.t,
+                              started=len(dropped) if dropped is not None else NONE))
+        return bool(standing)
 
     def leader_tick(self, now: float) -> list[Effect]:
         if self.lead.phase == Phase.COLLECT and any(d <= now for d in self.lead.pending.values()):
