@@ -39,6 +39,9 @@ def test_gwtf_audit_of_a_swarm_run_matches_the_swarms_own_audit(make_swarm: Make
     assert (summary["first"], summary["end"], summary["audited"]) == (0, 3, 3)
     assert {k: summary[k] for k in totals} == totals
     assert totals["expected"] == 4 * 3 * 2 and totals["hashed"] == 3 * 2
+    # the global batch's account (the simulator's): 2 data holders x 2 microbatches, every iteration
+    assert (totals["full_batch"], totals["short_iterations"], totals["short_detail"]) == (4, 0, [])
+    assert (totals["reserved"], totals["dropped"]) == (0, 0)
     assert summary["nodes"] == sorted(p.name for p in swarm.group.procs)
 
     write_resolved(swarm.cfg, out)  # what `gwtf swarm` writes: no --config needed then

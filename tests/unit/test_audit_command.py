@@ -19,7 +19,8 @@ Rows = dict[str, list[dict[str, Any]]]
 DH0 = "dh0~aaaa/local@127.0.0.1:7000"
 R1A = "r1a~bbbb/local@127.0.0.1:7001"
 R1B = "r1b~cccc/local@127.0.0.1:7002"
-IDS = {"dh0": DH0, "r1a": R1A, "r1b": R1B}
+DH1 = "dh1~dddd/local@127.0.0.1:7003"
+IDS = {"dh0": DH0, "r1a": R1A, "r1b": R1B, "dh1": DH1}
 CONFIG = """[model]
 stages = 2
 
@@ -130,12 +131,100 @@ def test_a_clean_run_exits_0_with_the_totals(tmp_path: Path, audit: Audit, capsy
 def test_json_fields_are_stable(tmp_path: Path, audit: Audit) -> None:
     code, s = audit(str(write_run(tmp_path / "run", clean_run())))
     assert code == 0
-    assert set(s) == {"clean", "violations", "notes", "folders", "nodes", "config", "stages", "microbatches",
-                      "run_iterations", "first", "end", "audited", "finished", "expected", "dropped", "hashed",
-                      "unhashed", "unhashed_steps", "set_aside"}
-    assert (s["stages"], s["microbatches"], s["run_iterations"]) == (2, 2, 2)
+    assert set(s) == {"clean", "violations", "notes", "folders", "nodes", "config", "stages", "data_holders",
+                      "microbatches", "run_iterations", "first", "end", "audited", "finished", "expected", "dropped",
+                      "reserved", "full_batch", "short_iterations", "short_detail", "hashed", "unhashed",
+                      "unhashed_steps", "set_aside"}
+    assert (s["stages"], s["data_holders"], s["microbatches"], s["run_iterations"]) == (2, 1, 2, 2)
+    assert (s["full_batch"], s["short_iterations"], s["short_detail"], s["reserved"]) == (2, 0, [], 0)
     assert s["folders"] == [str(tmp_path / "run")] and s["notes"] == [] and s["unhashed_steps"] == []
     assert s["set_aside"] == 0
+
+
+def two_holders_run(held: bool) -> Rows:
+    """dh0 (the leader, shard 0) and dh1 (shard 1), M = 2, r1a serving stage 1 (r1b its other
+    replica). Iteration 0 trains both shards; in iteration 1 dh1 starts its first microbatch and
+    crashes: with the batch `held` the leader deals shard 1's two to dh0 (its microbatches 2, 3),
+    else iteration 1 trains shard 0 alone (the paper's behaviour)."""
+    clock = _Clock()
+    rows: Rows = {"dh0": [clock.row("dh0", "leader_term", node=DH0, term=0)]}
+
+    def add(writer: str, event: str, **fields: Any) -> None:
+        rows.setdefault(writer, []).append(clock.row(writer, event, **fields))
+
+    for it in (0, 1):
+        add("dh0", "iter_start", iteration=it, members=4)
+        served = {"dh0": [(0, 0), (0, 1)], "dh1": [(1, 0), (1, 1)]}
+        if it == 1:
+            add("dh1", "mb_start", mb=[DH1, it, 0], node=DH1, data=[1, 0])
+            add("dh0", "evict", node=DH1)
+            add("dh0", "dh_lost", node=DH1, iteration=it, started=-1)
+            served = {"dh0": [(0, 0), (0, 1)] + ([(1, 0), (1, 1)] if held else [])}
+            if held:
+                add("dh0", "deal", iteration=it, items=2, to=[DH0])
+        mbs = {IDS[dh]: [[IDS[dh], n] for n in range(len(pairs))] for dh, pairs in served.items()}
+        for dh, pairs in served.items():
+            for n, data in enumerate(pairs):
+                add(dh, "mb_start", mb=[IDS[dh], it, n], node=IDS[dh], data=list(data))
+                add("r1a", "contribute", node=R1A, stage=1, mb=[IDS[dh], it, n])
+                add(dh, "contribute", node=IDS[dh], stage=0, mb=[IDS[dh], it, n])
+        expected = [[o, [n for _, n in v]] for o, v in sorted(mbs.items())]
+        add("dh0", "decision", iteration=it, round=1, stage=0, contributions=mbs, expected=expected)
+        add("dh0", "decision", iteration=it, round=1, stage=1,
+            contributions={R1A: [mb for v in mbs.values() for mb in v]}, expected=expected)
+        add("dh0", "iteration_done", iteration=it, round=1, expected=sum(len(v) for v in mbs.values()))
+        for dh in served:
+            add(dh, "stepped", iteration=it, stage=0, hash=f"h0-{it}", version=it + 1, microbatches=2)
+            add(dh, "step", node=IDS[dh], stage=0, iteration=it, round=1, version=it + 1,
+                contributors=sorted(mbs))
+        for relay in ("r1a", "r1b"):
+            add(relay, "stepped", iteration=it, stage=1, hash=f"h1-{it}", version=it + 1, microbatches=2)
+            add(relay, "step", node=IDS[relay], stage=1, iteration=it, round=1, version=it + 1, contributors=[R1A])
+    add("dh0", "training_done", iterations=2)
+    return rows
+
+
+TWO_HOLDERS = CONFIG.replace("data_holders = 1", "data_holders = 2")
+
+
+def test_a_crashed_holders_microbatches_served_again_are_re_served_not_dropped(
+        tmp_path: Path, audit: Audit, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "run", two_holders_run(held=True), config=TWO_HOLDERS)
+    code, s = audit(str(run))
+    assert code == 0, s["violations"]
+    assert (s["full_batch"], s["short_iterations"], s["short_detail"]) == (4, 0, [])
+    assert (s["reserved"], s["dropped"], s["expected"]) == (2, 0, 2 * 4 * 2)
+    capsys.readouterr()
+    assert gwtf_in_process(tmp_path, "audit", str(run))[0] == 0
+    text = capsys.readouterr().out
+    assert "the full batch (4 microbatches) in every iteration" in text
+    assert "microbatches of crashed data holders: 2 re-served, 0 dropped" in text
+    assert "short:" not in text and "dropped with crashed" not in text
+
+
+def test_without_the_batch_held_the_short_iteration_is_named_with_its_cause(
+        tmp_path: Path, audit: Audit, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "run", two_holders_run(held=False), config=TWO_HOLDERS)
+    code, s = audit(str(run))
+    assert code == 0, s["violations"]  # the paper's behaviour: a shortfall, not a violation
+    assert (s["full_batch"], s["short_iterations"], s["reserved"], s["dropped"]) == (4, 1, 0, 2)
+    assert s["short_detail"] == [{"iteration": 1, "microbatches": 2, "cause": "a data holder lost in it"}]
+    capsys.readouterr()
+    assert gwtf_in_process(tmp_path, "audit", str(run))[0] == 0
+    text = capsys.readouterr().out
+    assert "1 iteration short of the full batch (4 microbatches)" in text and "0 re-served, 2 dropped" in text
+    assert "short: iteration 1: 2 of 4 microbatches trained (a data holder lost in it)" in text
+
+
+def test_a_leader_that_counts_more_than_it_trained_is_a_violation(tmp_path: Path, audit: Audit) -> None:
+    rows = two_holders_run(held=True)
+    done = next(r for r in rows["dh0"] if r["event"] == "iteration_done" and r["iteration"] == 1)
+    shard1 = [r for r in rows["dh0"] if r["event"] == "mb_start" and r["data"] == [1, 1]]
+    shard1[0]["data"] = [1, 0]  # dh0 trained shard 1's microbatch 0 twice, never its 1
+    code, s = audit(str(write_run(tmp_path / "run", rows, config=TWO_HOLDERS)))
+    assert code == 1 and done["expected"] == 4
+    assert any("batch_count: iteration 1 trained 3 distinct" in v for v in s["violations"]), s["violations"]
+    assert any("data_twice: shard 1 index 0" in v for v in s["violations"]), s["violations"]
 
 
 def test_a_double_counted_microbatch_exits_1(tmp_path: Path, audit: Audit, capsys: pytest.CaptureFixture[str]) -> None:

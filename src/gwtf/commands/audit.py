@@ -10,7 +10,7 @@ gathered into one). Several DIRs are merged. A node is named by its folder; two 
 name are told apart by the node id their records were written by (`me`, which embeds the key
 fingerprint and address), and refused when that is the same too (one node gathered twice).
 
-The run's shape (model.stages, train.microbatches, train.iterations) comes from `--config FILE`
+The run's shape (model.stages, train.data_holders, train.microbatches, train.iterations) comes from `--config FILE`
 (plus `--set` overrides) if given, else from the `config.resolved.toml` that `gwtf swarm` writes
 in its run folder (found next to `nodes/`; `--set` applies on top). `gwtf node` writes none: pass
 the config the nodes ran with. Run folders whose resolved configs disagree, or a config that
@@ -34,12 +34,17 @@ records, no or unreadable config, nothing to audit).
 - `clean` (bool), `violations` (list of str), `notes` (list of str);
 - `folders` (the DIRs as given), `nodes` (node names, sorted), `config` (the config file used,
   or null for the defaults plus `--set`);
-- `stages`, `microbatches` (per data holder), `run_iterations` (train.iterations);
+- `stages`, `data_holders`, `microbatches` (per data holder), `run_iterations` (train.iterations);
 - `first`, `end` (the audited iterations are first..end-1), `audited` (end - first), `finished`
   (a leader logged `training_done`);
-- `expected` (microbatch-stage contributions expected), `dropped` (microbatches dropped with
-  crashed data holders), `hashed`, `unhashed` (as above), `unhashed_steps` (list of
-  [iteration, stage]), `set_aside` (rows of earlier swarm starts not audited).
+- `expected` (microbatch-stage contributions expected), `dropped` (microbatches of crashed data
+  holders that were not trained: the paper's behaviour, `protocol.hold_batch` off), `reserved`
+  (microbatches of crashed data holders served again by live ones and trained in their
+  iteration), `hashed`, `unhashed` (as above), `unhashed_steps` (list of [iteration, stage]),
+  `set_aside` (rows of earlier swarm starts not audited);
+- `full_batch` (train.data_holders x train.microbatches), `short_iterations` (audited iterations
+  that trained fewer), `short_detail` (the first 20: `iteration`, `microbatches` trained,
+  `cause`), the same account as the simulator's summary.json (`invariants.BatchAccount`).
 """
 
 from __future__ import annotations
@@ -151,12 +156,13 @@ def load_run_config(args: argparse.Namespace, found: Sequence[Path]) -> tuple[Co
             return load_config(None, overrides), None
         raise UserError(f"no {RESOLVED_CONFIG} found with these records (gwtf node writes none): pass --config "
                         "FILE, the config the nodes ran with (and their --set overrides)")
-    shapes: dict[Path, tuple[int, int, int]] = {}
+    shapes: dict[Path, tuple[int, int, int, int]] = {}
     for path in found:
         cfg: Config = load_config(path, overrides)
-        shapes[path] = (cfg.model.stages, cfg.train.microbatches, cfg.train.iterations)
+        shapes[path] = (cfg.model.stages, cfg.train.data_holders, cfg.train.microbatches, cfg.train.iterations)
     if len(set(shapes.values())) > 1:
-        text = "; ".join(f"{p}: stages {s}, microbatches {m}, iterations {n}" for p, (s, m, n) in shapes.items())
+        text = "; ".join(f"{p}: stages {s}, data holders {d}, microbatches {m}, iterations {n}"
+                         for p, (s, d, m, n) in shapes.items())
         raise UserError(f"the run folders' configs disagree ({text}): pass --config FILE")
     return load_config(found[0], overrides), found[0]
 
@@ -220,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"nothing to audit: no iteration from {first} on was stepped by every stage "
                             "and no leader logged training_done")
         problems, totals = audit_run(records, stages, microbatches, end, first=first,
-                                     run_iterations=cfg.train.iterations)
+                                     run_iterations=cfg.train.iterations, data_holders=cfg.train.data_holders)
         unhashed = unhashed_steps(records, stages, end, first)
     except (KeyError, TypeError, ValueError, IndexError) as exc:  # a record no node writes (edited by hand?)
         raise UserError(f"malformed records ({type(exc).__name__}: {exc}): not written by a gwtf node") from None
@@ -240,9 +246,12 @@ def run(args: argparse.Namespace) -> int:
     summary = {
         "clean": not problems, "violations": problems, "notes": notes,
         "folders": list(args.dirs), "nodes": sorted(records), "config": str(config_path) if config_path else None,
-        "stages": stages, "microbatches": microbatches, "run_iterations": cfg.train.iterations,
+        "stages": stages, "data_holders": cfg.train.data_holders, "microbatches": microbatches,
+        "run_iterations": cfg.train.iterations,
         "first": first, "end": end, "audited": end - first, "finished": finished,
         "expected": totals.get("expected", 0), "dropped": totals.get("dropped", 0),
+        "reserved": totals.get("reserved", 0), "full_batch": totals.get("full_batch", 0),
+        "short_iterations": totals.get("short_iterations", 0), "short_detail": totals.get("short_detail", []),
         "hashed": totals.get("hashed", 0), "unhashed": totals.get("unhashed", 0),
         "unhashed_steps": [list(x) for x in unhashed], "set_aside": set_aside,
     }
@@ -265,13 +274,17 @@ def _absent_nodes(records: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[st
 
 
 def _print_summary(s: Mapping[str, Any], source: str) -> None:
+    from gwtf.runtime.audit import batch_text, short_lines
+
     nodes = s["nodes"]
     print(f"audit: {len(nodes)} node{'s' if len(nodes) != 1 else ''} ({', '.join(nodes)}); config {source}: {s['stages']} stages, "
-          f"{s['microbatches']} microbatches per data holder, {s['run_iterations']} iterations")
+          f"{s['data_holders']} data holders x {s['microbatches']} microbatches, {s['run_iterations']} iterations")
     print(f"iterations {s['first']}..{s['end'] - 1} audited ({s['audited']}"
           f"{', the run finished' if s['finished'] else ', the run did not finish'}): {s['expected']} microbatch-stage "
-          f"contributions expected, {s['dropped']} microbatches dropped with crashed data holders; replica hashes "
-          f"compared at {s['hashed']} of {s['audited'] * s['stages']} steps")
+          f"contributions expected; {batch_text(s)}; replica hashes compared at {s['hashed']} of "
+          f"{s['audited'] * s['stages']} steps")
+    for line in short_lines(s):
+        print(f"short: {line}")
     for note in s["notes"]:
         print(f"note: {note}")
     if s["violations"]:

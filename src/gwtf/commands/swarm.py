@@ -268,6 +268,7 @@ def run_swarm(cfg: Config, opts: object, title: str = "gwtf swarm") -> int:
 def _run_swarm(cfg: Config, opts: object, title: str) -> int:
     from rich.console import Console
 
+    from gwtf.runtime.audit import batch_text, short_lines
     from gwtf.runtime.launcher import NodeStartError
     from gwtf.runtime.swarm import Swarm, SwarmOptions
     from gwtf.runtime.validation import CheckpointValidation
@@ -299,8 +300,10 @@ def _run_swarm(cfg: Config, opts: object, title: str) -> int:
         return 1
     trained = swarm.metrics.next_iteration - swarm.first
     console.print(f"ledger: every microbatch counted exactly once at every stage in {trained} iterations "
-                  f"({totals.get('expected', 0)} microbatch-stage contributions, {totals.get('dropped', 0)} "
-                  "dropped with crashed data holders); replicas identical after every step")
+                  f"({totals.get('expected', 0)} microbatch-stage contributions; {batch_text(totals)}); "
+                  "replicas identical after every step", markup=False)
+    for line in short_lines(totals):
+        console.print(f"short: {line}", markup=False)
     first, last = rows[0]["loss"], rows[-1]["loss"]
     resumed = f" (resumed at iteration {swarm.first})" if swarm.first else ""
     val = next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None)

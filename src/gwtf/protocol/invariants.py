@@ -1,14 +1,15 @@
 """Invariants checked on every run, simulated or real, from the Records the cores emit (the simulator
 feeds them as they happen; `gwtf.runtime.audit` replays real nodes' records through the same checker).
 
-Owns: `InvariantChecker`. Violations are strings (the first 50 kept, all counted); tests assert
-there are none.
+Owns: `InvariantChecker` and its `BatchAccount`. Violations are strings (the first 50 kept, all
+counted); tests assert there are none.
 
 1. Exactly once: every applied aggregation decision (a `decision` record whose round some
    replica stepped with) covers each expected microbatch exactly once at its stage, names no
    microbatch twice, and names only microbatches that were started. Every data holder that
    started microbatches in the iteration and was alive at the decision is in the expected set,
-   with all the microbatches it started (a crashed DH's microbatches are dropped and counted).
+   with all the microbatches it started (a crashed DH's microbatches leave the decision: served
+   again under other ids, or dropped; both counted in 5.).
    The batch's data is trained once: no two microbatches of a decision train the same (shard,
    index) of the iteration (`mb_start`'s `data`: a vacant shard's microbatches are served by
    other data holders, `protocol.hold_batch`).
@@ -26,20 +27,135 @@ there are none.
 4. Fenced leadership: no two nodes lead the same term (`leader_term` records), and no
    (stage, version) is stepped with two different contents (round and contributors) by
    replicas that are still alive: `divergent_step` in 2.
+5. The global batch (`BatchAccount`, owned by the checker as `batch`; DESIGN.md 3, issue 42):
+   for every committed iteration (the leader's `iteration_done`) the microbatches trained (its
+   `expected`) against the full batch, D x M (`full_batch`, from the config; 0: unknown), the
+   microbatches of data holders lost in it (`dh_lost`) that were served again in it (`Deal`:
+   `reserved`) or not trained (`dropped`), and the cause of every shortfall (`short_detail`).
+   The (shard, index) pairs of its applied stage-0 decision (`mb_start`'s `data`) are as many
+   as it counted (`batch_count`); with 1. (`data_twice`, `missing`) every (shard, index) of a
+   committed iteration contributed exactly once at every stage. A short iteration is reported,
+   not a violation: the paper's behaviour (`protocol.hold_batch` off) drops a crashed data
+   holder's share. The simulator's summary.json (`full_batch`, `short_iterations`,
+   `short_detail`) and the runtime audit (`gwtf audit`, `gwtf swarm`) read it from here.
 
 Must not import torch, asyncio, socket, threading or time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 MAX_KEPT = 50
+SHORT_KEPT = 20  # the short iterations `BatchAccount.fields` details (the first ones)
+SHORT_LOST = "a data holder lost in it"  # a short iteration's cause (summary.json contract strings)
+SHORT_UNHELD = "shards with no data holder (batch not held)"
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The batch of one committed iteration (`BatchAccount`)."""
+
+    iteration: int
+    microbatches: int  # trained: the leader's count (`iteration_done`'s `expected`)
+    lost: int  # microbatches of data holders lost in it (`dh_lost`), trained again or not
+    dropped: int  # ... of them not trained: the iteration is short by them
+    reserved: int  # ... of them trained all the same, served again by live data holders (`Deal`)
+    cause: str  # why it trained fewer than the full batch; "" when it did not
+
+
+class BatchAccount:
+    """The global batch of every committed iteration (see the module docstring, 5.).
+
+    Fed the same Records as the checker (by it, or by `sim.metrics.Metrics` on its own).
+    `full_batch`: D x M (0: unknown, no iteration is short then and every lost microbatch counts
+    as dropped); `microbatches`: M, what a data holder lost before it reported its microbatches
+    had (its `dh_lost` says `started` -1); `violate`: where `batch_count` goes (None: nowhere).
+    """
+
+    def __init__(self, full_batch: int = 0, microbatches: int = 0,
+                 violate: Callable[[str], None] | None = None) -> None:
+        self.full_batch = full_batch
+        self.microbatches = microbatches
+        self.violate = violate
+        self.epoch = 0  # bumps on every rollback: an iteration may then run again
+        # (epoch, iteration) -> (data holder, n) -> the batch's (shard, index) its microbatch n trains
+        self.data: dict[tuple[int, int], dict[tuple[str, int], tuple[int, int]]] = {}
+        self._lost: dict[tuple[int, int], dict[str, int]] = {}  # -> data holder -> its microbatches
+        self._stage0: dict[tuple[int, int], dict[int, Any]] = {}  # -> round -> stage 0's contributions
+        # (epoch, iteration) -> its commit; a commit again in one epoch (a new leader ran the
+        # iteration again: the first was never stepped) replaces the first
+        self.committed: dict[tuple[int, int], Committed] = {}
+
+    def on_record(self, event: str, f: dict[str, Any]) -> None:
+        if event == "mb_start":
+            data = f.get("data")
+            if data is not None and data[0] >= 0:
+                mb = f["mb"]
+                self.data.setdefault((self.epoch, mb[1]), {})[(mb[0], mb[2])] = (int(data[0]), int(data[1]))
+        elif event == "decision" and f["stage"] == 0:
+            self._stage0.setdefault((self.epoch, f["iteration"]), {})[f["round"]] = f["contributions"]
+        elif event == "dh_lost":
+            self._on_dh_lost(f)
+        elif event == "iteration_done":
+            self._commit(int(f["iteration"]), int(f["round"]), int(f["expected"]))
+        elif event == "rollback":
+            self.epoch += 1
+
+    def _on_dh_lost(self, f: dict[str, Any]) -> None:
+        started = int(f.get("started", -1))
+        if started == 0:
+            return  # lost during the commit with its gradient in the reduction: its microbatches are trained
+        key, dh = (self.epoch, int(f["iteration"])), str(f["node"])
+        if started < 0:  # lost before it reported: its shard's M, or more if it had started more (dealt ones)
+            started = max(self.microbatches, sum(1 for d, _ in self.data.get(key, {}) if d == dh))
+        per = self._lost.setdefault(key, {})
+        per[dh] = max(per.get(dh, 0), started)  # (a new leader may record the same loss again)
+
+    def _commit(self, it: int, rnd: int, trained: int) -> None:
+        key = (self.epoch, it)
+        lost_by = self._lost.get(key, {})
+        lost = sum(lost_by.values())
+        full = self.full_batch
+        short = full - trained if full and trained < full else 0
+        dropped = min(lost, short) if full else lost
+        cause = "" if not short else SHORT_LOST if lost_by else SHORT_UNHELD
+        self.committed[key] = Committed(it, trained, lost, dropped, lost - dropped, cause)
+        self._check_pairs(key, self._stage0.pop(key, {}).get(rnd), trained)
+
+    def _check_pairs(self, key: tuple[int, int], contributions: Any, trained: int) -> None:
+        """The applied stage-0 decision trains as many distinct (shard, index) as the leader
+        counted (unchecked where a microbatch's data is unknown)."""
+        if contributions is None or self.violate is None:
+            return
+        data = self.data.get(key, {})
+        pairs = [data.get((origin, n)) for mbs in contributions.values() for origin, n in mbs]
+        if any(p is None for p in pairs):
+            return
+        if len(set(pairs)) != trained:
+            self.violate(f"batch_count: iteration {key[1]} trained {len(set(pairs))} distinct (shard, index) at "
+                         f"stage 0 but counted {trained}")
+
+    def fields(self, first: int = 0, end: int | None = None) -> dict[str, Any]:
+        """The account of the commits of iterations first..end-1 (all by default), every commit
+        (a rolled-back iteration's too): `full_batch`, `short_iterations`, `short_detail` (the
+        first `SHORT_KEPT`: iteration, microbatches trained, cause), `dropped`, `reserved`."""
+        kept = [c for c in self.committed.values() if first <= c.iteration and (end is None or c.iteration < end)]
+        short = [c for c in kept if c.cause]
+        return {
+            "full_batch": self.full_batch, "short_iterations": len(short),
+            "short_detail": [{"iteration": c.iteration, "microbatches": c.microbatches, "cause": c.cause}
+                             for c in short[:SHORT_KEPT]],
+            "dropped": sum(c.dropped for c in kept), "reserved": sum(c.reserved for c in kept),
+        }
 
 
 class InvariantChecker:
     def __init__(self, stages: int, progress_bound_s: float, iterations: int = 0,
-                 leaderless_stops: bool = False) -> None:
+                 leaderless_stops: bool = False, full_batch: int = 0, microbatches: int = 0) -> None:
+        """`full_batch` (D x M) and `microbatches` (M): the global batch's (see `BatchAccount`)."""
         self.stages = stages
         self.leaderless_stops = leaderless_stops  # losing every data holder may end the run (see 3.)
         self.iterations = iterations  # the run's length (0: unknown): no step may go past it
@@ -49,8 +165,8 @@ class InvariantChecker:
         self.epoch = 0  # bumps on every rollback: an iteration may then run again
         self.dead_at: dict[str, float] = {}
         self.started: dict[tuple[int, int], dict[str, set[int]]] = {}
-        # (epoch, iteration) -> (data holder, n) -> the batch's (shard, index) its microbatch n trains
-        self.data: dict[tuple[int, int], dict[tuple[str, int], tuple[int, int]]] = {}
+        # 5. (its `data`: mb_start's); its violations through `violate`, as it is when they come
+        self.batch = BatchAccount(full_batch, microbatches, lambda text: self.violate(text))
         self.decisions: dict[tuple[int, int, int, int], dict[str, Any]] = {}
         self.applied: dict[tuple[int, int, int], tuple[int, tuple[str, ...], set[str]]] = {}
         self.last_progress_s = 0.0
@@ -67,12 +183,10 @@ class InvariantChecker:
         self.dead_at.setdefault(node, now)
 
     def on_record(self, now: float, node: str, event: str, f: dict[str, Any]) -> None:
+        self.batch.on_record(event, f)
         if event == "mb_start":
             mb = f["mb"]
             self.started.setdefault((self.epoch, mb[1]), {}).setdefault(mb[0], set()).add(mb[2])
-            data = f.get("data")
-            if data is not None and data[0] >= 0:
-                self.data.setdefault((self.epoch, mb[1]), {})[(mb[0], mb[2])] = (int(data[0]), int(data[1]))
         elif event == "decision":
             key = (self.epoch, f["iteration"], f["round"], f["stage"])
             self.decisions[key] = {"time": now, "contributions": f["contributions"], "expected": f["expected"]}
@@ -132,7 +246,7 @@ class InvariantChecker:
                 if mb in seen:
                     self.violate(f"twice: {mb} at stage {stage} iteration {it} by {seen[mb]} and {rep}")
                 seen[mb] = rep
-        data = self.data.get((self.epoch, it), {})
+        data = self.batch.data.get((self.epoch, it), {})
         trained: dict[tuple[int, int], tuple[str, int]] = {}
         for mb in seen:  # the batch's (shard, index): at most once per stage, whoever served it
             what = data.get(mb)

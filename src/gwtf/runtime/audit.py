@@ -1,21 +1,27 @@
 """The exactly-once ledger, checked from a swarm's node logs alone (DESIGN.md section 3).
 
-Owns `audit_run(records, stages, microbatches, iterations, first, run_iterations)`, the one audit
-both `gwtf swarm` (`Swarm.audit`) and `gwtf audit` run: the ledger (`audit_ledger`) with the
-replica hashes taken from the records themselves (`current_step_hashes`), plus the invariant
-replay, and totals that say how many steps had their hashes compared (`unhashed_steps`: the
-only steps the ledger accepts without a logged hash). `audit_ledger(records, iterations, stages,
+Owns `audit_run(records, stages, microbatches, iterations, first, run_iterations, data_holders)`,
+the one audit both `gwtf swarm` (`Swarm.audit`) and `gwtf audit` run: the ledger (`audit_ledger`)
+with the replica hashes taken from the records themselves (`current_step_hashes`), plus the
+invariant replay, and totals that say how many steps had their hashes compared (`unhashed_steps`:
+the only steps the ledger accepts without a logged hash) and what every iteration trained of
+the global batch (the checker's `BatchAccount`, the one the simulator's summary reads: the full
+batch, the iterations short of it with their causes, and the microbatches of crashed data
+holders served again, `reserved`, or not trained, `dropped`), worded for both commands by
+`batch_text` and `short_lines`. `audit_ledger(records, iterations, stages,
 hashes)` checks, for every finished iteration and stage,
 the leader's final aggregation decision (the `decision` record of the highest round) must cover
 every expected microbatch exactly once (a crashed data holder's dropped microbatches may appear
 at most once: relay contributions made before the crash stay); every contributor must have logged (`contribute`) each
 microbatch it was credited with; and every replica that stepped (`stepped`, written by the node
 driver with the new weights' hash) must hold the same weights. Expected microbatches exclude
-those of a crashed data holder (dropped and counted by the leader's `dh_lost` record).
+those of a crashed data holder (the leader's `dh_lost` record: served again by the live data
+holders, `protocol.hold_batch`, under other ids, or dropped).
 
 It also replays every node's records, in wall-clock order, through the simulator's own
 `InvariantChecker` (`replay_invariants`): the same checks of exactly-once decisions, identical
-steps per (stage, version) and one leader per term hold for real processes as for simulated ones.
+steps per (stage, version), one leader per term and the global batch's account hold for real
+processes as for simulated ones.
 
 `gwtf swarm` runs it at the end of a run, `gwtf audit` on gathered node folders (where
 `latest_attempt` first sets aside the records of earlier swarm starts that `gwtf node --resume`
@@ -54,17 +60,25 @@ def current_step_hashes(records: Records) -> dict[tuple[int, int], dict[str, str
     return out
 
 
-def replay_invariants(records: Records, stages: int, run_iterations: int = 0) -> list[str]:
+def replay(records: Records, stages: int, run_iterations: int = 0, data_holders: int = 0,
+           microbatches: int = 0) -> InvariantChecker:
     """The simulator's invariant checker over the nodes' records, merged by wall clock (one
     machine's clock on loopback; across hosts, skew only reorders records of different nodes
-    that are causally far apart). Liveness is the launcher's to judge (finished or timed out)."""
+    that are causally far apart). Liveness is the launcher's to judge (finished or timed out).
+    `data_holders` x `microbatches`: the global batch (0: unknown) its `batch` accounts for."""
     rows = sorted((float(r.get("unix_s", 0.0)), i, name, r)
                   for name, rs in records.items() for i, r in enumerate(rs) if "event" in r)
-    checker = InvariantChecker(stages, progress_bound_s=float("inf"), iterations=run_iterations)
+    checker = InvariantChecker(stages, progress_bound_s=float("inf"), iterations=run_iterations,
+                               full_batch=data_holders * microbatches, microbatches=microbatches)
     for t, _, name, r in rows:
         fields = {k: v for k, v in r.items() if k not in _DRIVER_FIELDS}
         checker.on_record(t, str(r.get("me") or name), str(r["event"]), fields)
-    return list(checker.violations)
+    return checker
+
+
+def replay_invariants(records: Records, stages: int, run_iterations: int = 0) -> list[str]:
+    """The violations `replay` finds."""
+    return list(replay(records, stages, run_iterations).violations)
 
 
 def final_decisions(records: Records) -> dict[tuple[int, int], Mapping[str, Any]]:
@@ -91,28 +105,55 @@ def _contributions(records: Records) -> dict[str, Counter[tuple[str, int, int, i
 
 
 def dropped_by(row: Mapping[str, Any], microbatches: int) -> int:
-    """Microbatches a `dh_lost` record drops: those the holder started, all M if it never said."""
+    """Microbatches a `dh_lost` record names lost with the holder (served again in the iteration
+    with the batch held, else dropped): those it started, all M if it never said."""
     started = int(row.get("started", -1))
     return started if started >= 0 else microbatches
 
 
 def audit_ledger(
     records: Records, iterations: int, stages: int, hashes: Mapping[tuple[int, int], Mapping[str, str]],
-    microbatches: int = 0, first: int = 0, run_iterations: int = 0,
+    microbatches: int = 0, first: int = 0, run_iterations: int = 0, data_holders: int = 0,
 ) -> tuple[list[str], dict[str, int]]:
     """Check iterations first..iterations-1 (a resumed swarm's records start at `first`).
     Returns (violations, totals); no violations = exactly once.
 
-    `hashes`: (iteration, stage) -> node -> weights hash after that step; `microbatches`: M.
-    totals: `expected` microbatch-stage pairs, `dropped` microbatches of crashed data holders.
+    `hashes`: (iteration, stage) -> node -> weights hash after that step; `microbatches`: M;
+    `data_holders`: D. totals: `expected` microbatch-stage pairs, `dropped` microbatches of
+    crashed data holders that no committed iteration trained (the checker's `BatchAccount`);
+    with `data_holders` 0 (the global batch unknown) every microbatch the leader's `dh_lost`
+    records name, served again or not.
     """
+    problems, totals, _ = _audit(records, iterations, stages, hashes, microbatches, first, run_iterations,
+                                 data_holders)
+    return problems, totals
+
+
+def _audit(
+    records: Records, iterations: int, stages: int, hashes: Mapping[tuple[int, int], Mapping[str, str]],
+    microbatches: int, first: int, run_iterations: int, data_holders: int,
+) -> tuple[list[str], dict[str, int], InvariantChecker]:
+    """`audit_ledger`, and the checker its invariant replay ran."""
+    problems, totals = _ledger(records, iterations, stages, hashes, microbatches, first)
+    checker = replay(records, stages, run_iterations, data_holders, microbatches)
+    problems += [f"invariant: {v}" for v in checker.violations]
+    if data_holders:
+        totals["dropped"] = checker.batch.fields(first, iterations)["dropped"]
+    return problems, totals, checker
+
+
+def _ledger(
+    records: Records, iterations: int, stages: int, hashes: Mapping[tuple[int, int], Mapping[str, str]],
+    microbatches: int, first: int,
+) -> tuple[list[str], dict[str, int]]:
+    """The ledger's own checks of `audit_ledger` (no replay); `dropped`: what `dh_lost` names."""
     problems: list[str] = []
     standing = current_step_hashes(records)
     restored = {int(r["version"]) for rows in records.values() for r in rows if r.get("event") == RecordName.ROLLBACK}
     decisions = final_decisions(records)
     logged = _contributions(records)
     totals: dict[str, int] = {"expected": 0, "dropped": 0}
-    lost: set[tuple[int, str]] = set()  # (iteration, data holder) dropped by the leader
+    lost: set[tuple[int, str]] = set()  # (iteration, data holder) lost (`dh_lost`)
     for rows in records.values():
         for r in rows:
             if r.get("event") == RecordName.DH_LOST:
@@ -129,8 +170,9 @@ def audit_ledger(
             counts = Counter(covered)
             twice = sorted(mb for mb, n in counts.items() if n > 1)
             missing = sorted((Counter(expected) - counts).elements())
-            # a crashed data holder's microbatches are dropped; contributions relays already made
-            # for them may stay, at most once (docs/protocol.md), anything else is unexpected
+            # a crashed data holder's microbatches leave the iteration (served again under other
+            # ids, or dropped); contributions relays already made for them may stay, at most once
+            # (docs/protocol.md), anything else is unexpected
             unexpected = sorted(mb for mb in counts if mb not in set(expected) and (it, mb[0]) not in lost)
             if twice or missing or unexpected:
                 problems.append(f"iteration {it} stage {stage}: counted twice {twice}, missing {missing}, "
@@ -148,7 +190,6 @@ def audit_ledger(
             elif step_hashes and len(set(step_hashes.values())) != 1:
                 problems.append(f"iteration {it} stage {stage}: replicas diverged {dict(step_hashes)}")
             totals["expected"] += len(expected)
-    problems += [f"invariant: {v}" for v in replay_invariants(records, stages, run_iterations)]
     return problems, totals
 
 
@@ -165,18 +206,49 @@ def unhashed_steps(records: Records, stages: int, iterations: int, first: int = 
 
 def audit_run(
     records: Records, stages: int, microbatches: int, iterations: int, first: int = 0, run_iterations: int = 0,
-) -> tuple[list[str], dict[str, int]]:
+    data_holders: int = 0,
+) -> tuple[list[str], dict[str, Any]]:
     """The audit of iterations first..iterations-1 of one swarm run from its nodes' records
     (`gwtf swarm` and `gwtf audit` alike): `audit_ledger` with the standing step hashes of the
     records, and the invariant replay. Returns (violations, totals); totals: `expected`,
     `dropped` (see `audit_ledger`), `hashed` (steps whose replicas' hashes were compared: some
-    replica logged the step) and `unhashed` (steps accepted without a hash: `unhashed_steps`)."""
+    replica logged the step), `unhashed` (steps accepted without a hash: `unhashed_steps`), and
+    the global batch's account (`BatchAccount.fields`, every commit of those iterations):
+    `full_batch` (D x M; 0 with `data_holders` 0, unknown: nothing is short then),
+    `short_iterations`, `short_detail` (the first ones: iteration, microbatches trained, cause)
+    and `reserved` (microbatches of crashed data holders served again and trained)."""
     hashes = current_step_hashes(records)
-    problems, totals = audit_ledger(records, iterations, stages, hashes, microbatches, first=first,
-                                    run_iterations=run_iterations)
+    problems, ledger, checker = _audit(records, iterations, stages, hashes, microbatches, first, run_iterations,
+                                       data_holders)
+    batch = checker.batch.fields(first, iterations)
+    totals: dict[str, Any] = {**ledger, **{k: batch[k] for k in BATCH_KEYS}}
     totals["hashed"] = sum(1 for it in range(first, iterations) for k in range(stages) if hashes.get((it, k)))
     totals["unhashed"] = len(unhashed_steps(records, stages, iterations, first))
     return problems, totals
+
+
+BATCH_KEYS = ("full_batch", "short_iterations", "short_detail", "reserved")
+"""The totals `audit_run` adds from the global batch's account (`dropped` is the ledger's own key)."""
+
+
+def batch_text(totals: Mapping[str, Any]) -> str:
+    """The global batch of an audit's totals in words (`gwtf audit` and `gwtf swarm` print it)."""
+    full, short = int(totals.get("full_batch", 0)), int(totals.get("short_iterations", 0))
+    reserved, dropped = int(totals.get("reserved", 0)), int(totals.get("dropped", 0))
+    if not full:  # the global batch unknown: nothing is known short or served again
+        return f"{dropped} microbatches lost with crashed data holders"
+    held = (f"the full batch ({full} microbatches) in every iteration" if not short
+            else f"{short} iteration{'s' if short != 1 else ''} short of the full batch ({full} microbatches)")
+    return f"{held}; microbatches of crashed data holders: {reserved} re-served, {dropped} dropped"
+
+
+def short_lines(totals: Mapping[str, Any]) -> list[str]:
+    """One line per short iteration the totals detail (the first ones), and how many more."""
+    detail = list(totals.get("short_detail", ()))
+    out = [f"iteration {d['iteration']}: {d['microbatches']} of {totals.get('full_batch', 0)} microbatches "
+           f"trained ({d['cause']})" for d in detail]
+    more = int(totals.get("short_iterations", 0)) - len(detail)
+    return out + ([f"... and {more} more short iterations"] if more > 0 else [])
 
 
 def process_runs(rows: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:

@@ -561,13 +561,14 @@ class Swarm:
     def log_tails(self, n_bytes: int = 1500) -> str:
         return "\n".join(f"--- {p.name} ({p.state})\n{p.log_tail(n_bytes)}" for p in self.group.procs)
 
-    def audit(self, iterations: int | None = None) -> tuple[list[str], dict[str, int]]:
+    def audit(self, iterations: int | None = None) -> tuple[list[str], dict[str, Any]]:
         """The exactly-once ledger of the completed iterations, from the node logs: the very
         audit `gwtf audit` runs on the out folder (`audit.audit_run`)."""
         self.metrics.poll(self.group.procs)
         n = self.metrics.next_iteration if iterations is None else iterations
         return audit_run(self.metrics.records, self.cfg.model.stages, self.cfg.train.microbatches, n,
-                         first=self.first, run_iterations=self.cfg.train.iterations)
+                         first=self.first, run_iterations=self.cfg.train.iterations,
+                         data_holders=self.cfg.train.data_holders)
 
     def complete(self, iterations: int) -> bool:
         """`iterations` are done and some replica of every stage has logged the last step."""

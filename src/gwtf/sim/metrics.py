@@ -20,7 +20,10 @@ Owns: `Metrics`, fed by the simulator with Records, compute jobs and churn event
   discarded_waste_fraction = discarded_s / available_s and idle_fraction = idle_s /
   available_s (GPUs waiting, mostly for the network);
 - iteration_s = training_time_s / iterations beside the iteration's physical lower bound
-  (`sim.bound`, a property of the initial instance): `iteration_fields`.
+  (`sim.bound`, a property of the initial instance): `iteration_fields`;
+- full_batch, short_iterations, short_detail (contracts): the invariant checker's account of the
+  global batch (`protocol.invariants.BatchAccount`, the one the runtime audit reports too), read
+  from it, not computed here.
 Seconds are rounded to 9 significant digits and fractions to 6, never to fixed decimals: a tiny
 model computes for milliseconds, and 3 decimals rounded its discarded_s to 0.0.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gwtf.protocol.invariants import BatchAccount
 from gwtf.protocol.kinds import RecordName as R
 from gwtf.sim.bound import IterationBound
 
@@ -71,11 +75,13 @@ def iteration_fields(training_time_s: float, iterations: int, bound: IterationBo
 
 
 class Metrics:
-    def __init__(self, tokens_per_microbatch: int, full_batch: int = 0) -> None:
+    def __init__(self, tokens_per_microbatch: int, full_batch: int = 0, batch: BatchAccount | None = None) -> None:
+        """`batch`: the invariant checker's account of the global batch, fed by the checker;
+        without it, one of its own over `full_batch` (data holders x microbatches, 0: unknown),
+        fed here."""
         self.tokens_per_mb = tokens_per_microbatch
-        self.full_batch = full_batch  # data holders x microbatches: the global batch (0: unknown)
-        self.short: list[dict[str, Any]] = []  # iterations that trained fewer, with the cause
-        self._dh_lost_in: set[int] = set()
+        self.batch = batch if batch is not None else BatchAccount(full_batch)
+        self._feeds_batch = batch is None
         self.busy_s = 0.0
         self.mb_work: dict[int, dict[tuple[str, tuple[str, int]], float]] = {}
         self.useful_s = 0.0
@@ -127,6 +133,8 @@ class Metrics:
             per[key] = per.get(key, 0.0) + dur_s
 
     def on_record(self, now: float, node: str, event: str, f: dict[str, Any]) -> None:
+        if self._feeds_batch:
+            self.batch.on_record(event, f)
         if event in COUNTED:  # the summary's counters are keyed by plain strings
             self.bump(str(event) if event != R.REDO else f"redo_{f.get('mode', '')}")
         if event == R.JOIN:
@@ -152,8 +160,6 @@ class Metrics:
             self._iteration_done(now, f)
         elif event == R.DH_LOST:
             self.bump("dh_lost")
-            if f.get("started", -1) != 0:  # (0: its gradient was in the reduction already)
-                self._dh_lost_in.add(f["iteration"])
         elif event == R.ROLLBACK:
             self.bump("rollbacks")
             self.bump("lost_iterations", f["lost_iterations"])
@@ -175,9 +181,6 @@ class Metrics:
                           "dropped_so_far": self.counters.get("microbatches_dropped", 0),
                           "redo_so_far": self.counters.get("redo_inflight", 0)
                           + self.counters.get("redo_aggregation", 0)})
-        if self.full_batch and f["expected"] < self.full_batch:
-            cause = "a data holder lost in it" if it in self._dh_lost_in else "shards with no data holder (batch not held)"
-            self.short.append({"iteration": it, "microbatches": f["expected"], "cause": cause})
         self.last_done = it
         # the steps of iteration it-1 are all applied by now: what is left was never used
         self._discard(self.mb_work.pop(it - 1, {}))
@@ -199,12 +202,13 @@ class Metrics:
         idle = max(0.0, self.available_s - self.busy_s)
         avail = self.available_s
         recovery = self._recovery()
+        batch = self.batch.fields()
         return {
             "training_time_s": round(training_time, 3),
             "iterations": len(self.rows),
-            "full_batch": self.full_batch,
-            "short_iterations": len(self.short),
-            "short_detail": self.short[:20],  # the first ones: iteration, microbatches trained, cause
+            "full_batch": batch["full_batch"],
+            "short_iterations": batch["short_iterations"],
+            "short_detail": batch["short_detail"],  # the first ones: iteration, microbatches trained, cause
             "iterations_target": iterations_target,
             "finished": self.finished_at is not None,
             "microbatches": self.microbatches,

@@ -55,8 +55,11 @@ class Simulator:
         self.compute = ComputeModel(random.Random(f"compute:{seed}"), sc.sim.compute_jitter,
                                     sc.sim.checkpoint_bandwidth_bytes_per_s)
         self.checker = InvariantChecker(self.train.stages, sc.sim.progress_bound_s, self.train.iterations,
-                                        leaderless_stops=sc.protocol.view_size > 0)
-        self.metrics = Metrics(self.train.tokens_per_microbatch, self.train.data_holders * self.train.microbatches)
+                                        leaderless_stops=sc.protocol.view_size > 0,
+                                        full_batch=self.train.data_holders * self.train.microbatches,
+                                        microbatches=self.train.microbatches)
+        # the global batch's account is the checker's (one implementation, the runtime audit's too)
+        self.metrics = Metrics(self.train.tokens_per_microbatch, batch=self.checker.batch)
         self.cores: dict[str, NodeCore] = {}
         self.dead_at: dict[str, float] = {}
         self.timers: dict[tuple[str, Any], int] = {}  # (node, key) -> engine handle of its pending timer
