@@ -40,8 +40,12 @@ COMMANDS: dict[str, str] = {
     "secret": "create a swarm secret file (gwtf secret new PATH)",
     "generate": "generate text from a trained checkpoint (local or swarm), streamed",
     "export": "export a trained checkpoint as a Hugging Face folder (GPT-2 or Llama)",
+    "import": "import a Hugging Face GPT-2 or Llama folder as a gwtf checkpoint (gwtf import --hf DIR --out DIR)",
+    "eval": "held-out loss and perplexity of a checkpoint (local, swarm, imported or a Hugging Face folder)",
     "config": "print the resolved config, or (--docs) the reference of every config key",
 }
+
+MODULES = {"import": "import_"}  # command -> module, where the command is a Python keyword
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gwtf {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, help_text in COMMANDS.items():
-        module_name = f"gwtf.commands.{name}"
+        module_name = f"gwtf.commands.{MODULES.get(name, name)}"
         if importlib.util.find_spec(module_name) is None:
             continue  # command not built yet
         module = importlib.import_module(module_name)

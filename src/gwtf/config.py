@@ -33,34 +33,72 @@ class ModelConfig:
     """Which model to train and how it is cut into stages."""
 
     family: Literal["gpt", "llama"] = "gpt"  # gpt: learned pos, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA
-    preset: Literal["tiny", "small", "124m", "500m", "1b"] = "tiny"  # model size (model.presets: layers, width, heads)
+    # model size (model.presets: layers, width, heads); "custom": n_layer, d_model, n_head and d_ff below give it
+    preset: Literal["tiny", "small", "124m", "500m", "1b", "custom"] = "tiny"
     seq_len: int = 128  # tokens per sequence (context length)
     microbatch_size: int = 8  # sequences per microbatch
     stages: int = 3  # pipeline stages incl. stage 0 (embedding + head, on data holders)
     dropout: float = 0.0  # dropout probability in the transformer blocks
+    # start from these weights instead of the seeded init: a gwtf checkpoint (a `gwtf train --local` or
+    # `gwtf import` folder) or a Hugging Face GPT-2 / Llama folder; the model's shape keys below and its
+    # tokenizer come from it, and a shape key set to another value is an error (docs/models.md); "" = none
+    init_from: str = ""
+    n_layer: int = 0  # transformer blocks; 0 = the preset's
+    d_model: int = 0  # hidden width; 0 = the preset's
+    n_head: int = 0  # attention heads; 0 = the preset's
+    n_kv_head: int = 0  # key/value heads (llama: grouped-query attention; gpt: n_head); 0 = the preset's, custom: n_head
+    d_ff: int = 0  # MLP hidden width; 0 = the preset's
+    vocab_size: int = 0  # token embedding rows; 0 = the tokenizer's vocabulary size (else at least that)
+    max_positions: int = 0  # longest sequence the model takes (gpt: learned position rows); 0 = seq_len
+    rope_theta: float = 10000.0  # llama: RoPE base frequency
+    norm_eps: float = 1e-5  # epsilon of the LayerNorms (gpt) / RMSNorms (llama)
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 2, "model.seq_len", "must be >= 2")
         _require(self.microbatch_size >= 1, "model.microbatch_size", "must be >= 1")
         _require(self.stages >= 2, "model.stages", "must be >= 2 (stage 0 plus at least one relay stage)")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        for key in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size", "max_positions"):
+            _require(getattr(self, key) >= 0, f"model.{key}", "must be >= 0 (0: the preset's / derived)")
+        for key in ("n_layer", "d_model", "n_head", "d_ff"):
+            _require(self.preset != "custom" or getattr(self, key) > 0, f"model.{key}",
+                     'must be set (> 0) with model.preset = "custom"')
+        _require(self.max_positions == 0 or self.max_positions >= self.seq_len, "model.seq_len",
+                 f"must be <= model.max_positions ({self.max_positions})")
+        _require(self.rope_theta > 0, "model.rope_theta", "must be > 0")
+        _require(self.norm_eps > 0, "model.norm_eps", "must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     """Where tokens come from."""
 
-    source: str = "shakespeare"  # "shakespeare", "synthetic", or a path to a text file / folder
-    tokenizer: Literal["bpe", "byte"] = "bpe"  # bpe: byte-level BPE trained on the corpus; byte: 256 bytes + specials
+    # "shakespeare", "synthetic", or a path: a .txt, .jsonl, .jsonl.gz or .parquet file, or a folder of
+    # them (docs/data.md); a path corpus is tokenized once by `gwtf data prepare` (training does it if needed)
+    source: str = "shakespeare"
+    # "bpe": byte-level BPE trained on the corpus; "byte": 256 bytes + specials; else the path of a
+    # tokenizer.json or of a Hugging Face folder holding one (loaded offline with `tokenizers`; docs/models.md)
+    tokenizer: str = "bpe"
     vocab_size: int = 2048  # BPE vocabulary size (byte tokenizer: fixed 256 + specials)
     cache_dir: str = ""  # "" = $GWTF_CACHE or ~/.cache/gwtf
     val_fraction: float = 0.02  # share of the corpus' tokens held out for validation
     synthetic_bytes: int = 400_000  # size of the generated synthetic corpus
+    text_field: str = "text"  # the field holding a record's text in .jsonl / .jsonl.gz / .parquet files
+    glob: str = ""  # files of a folder source, e.g. "**/*.jsonl"; "" = *.txt, *.jsonl, *.jsonl.gz, *.parquet
+    # "random": each microbatch row a random window of the shard (with replacement); "epoch": every
+    # (seq_len + 1)-token window of the shard once per epoch, in a seeded order per epoch (docs/data.md)
+    order: Literal["random", "epoch"] = "random"
+    bpe_sample_mb: int = 32  # path corpora: the BPE is trained on the corpus' first this many MB of text
+    prepare_workers: int = 0  # processes tokenizing a path corpus; 0 = one per CPU core
 
     def __post_init__(self) -> None:
+        _require(self.tokenizer.strip() != "", "data.tokenizer", 'must be "bpe", "byte" or a tokenizer path')
         _require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260")
         _require(0.0 <= self.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
         _require(self.synthetic_bytes >= 10_000, "data.synthetic_bytes", "must be >= 10000")
+        _require(self.text_field != "", "data.text_field", "must not be empty")
+        _require(self.bpe_sample_mb >= 1, "data.bpe_sample_mb", "must be >= 1")
+        _require(self.prepare_workers >= 0, "data.prepare_workers", "must be >= 0 (0: one per CPU core)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -27,7 +27,8 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="the run's config, when no config.resolved.toml is next to the checkpoint")
     parser.add_argument("--tokenizer", metavar="FILE",
-                        help="the run's BPE tokenizer JSON, when it is not in the run's cache")
+                        help="the run's BPE tokenizer JSON, when it is not in the run's cache (or, for a run "
+                             "whose data.tokenizer is a path, the tokenizer.json / folder to use instead)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -332,7 +332,9 @@ def _resolve_data(cfg: Config, opts: SwarmOptions, say: Callable[[str], None]) -
     becomes "synthetic", announced on this console): every data holder gets it as an override
     and the resolved config records it."""
     from gwtf.model.data import resolve_source
+    from gwtf.model.pretrained import resolve_init
 
+    cfg = resolve_init(cfg)  # model.init_from's shape and tokenizer, in the resolved config too (nodes resolve alike)
     data = resolve_source(cfg.data, say)
     if data == cfg.data:
         return cfg, opts

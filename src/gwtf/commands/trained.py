@@ -15,7 +15,9 @@ Owns what `--checkpoint PATH` may name, how each checkpoint layout is read into 
 Optimizer state is skipped. Only the model and data sections of a config are read (keys they do
 not know, from other gwtf versions, are ignored). Tokenizer: byte needs nothing; bpe is the file
 the run trained into its cache (data.cache_dir, else $GWTF_CACHE, else ~/.cache/gwtf), keyed by
-the corpus hash; `--tokenizer FILE` names one explicitly. Every problem is one UserError line.
+the corpus hash; a path is that tokenizer.json / folder (an imported model's: DIR/tokenizer, also
+found there when the folder was moved); `--tokenizer FILE` names one explicitly. Every problem
+is one UserError line.
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ from gwtf.config import DataConfig, ModelConfig, from_dict, read_toml
 from gwtf.errors import UserError
 from gwtf.model.partition import partition_layers
 from gwtf.model.presets import ModelSpec, model_spec
-from gwtf.model.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, vocab_size_for
+from gwtf.model.tokenizer import (
+    BpeTokenizer,
+    ByteTokenizer,
+    Tokenizer,
+    is_tokenizer_path,
+    load_tokenizer_file,
+)
 from gwtf.runtime import checkpoints
 
 if TYPE_CHECKING:
@@ -228,14 +236,21 @@ def _corpus_sha(data_cfg: DataConfig, folder: Path) -> str | None:
         return None
 
 
-def find_tokenizer(data_cfg: DataConfig, explicit: str | None, say: Say = _say_stderr) -> Tokenizer:
-    """The run's tokenizer: byte, `--tokenizer FILE`, or the BPE file in the run's cache (the one
-    of the corpus' hash; else the only one of the vocabulary size there)."""
+def find_tokenizer(data_cfg: DataConfig, explicit: str | None, say: Say = _say_stderr,
+                   near: Path | None = None) -> Tokenizer:
+    """The run's tokenizer: byte, `--tokenizer FILE`, the file data.tokenizer names (else the
+    tokenizer/ folder of an imported model beside the checkpoint `near`, when it was moved), or the
+    BPE file in the run's cache (the one of the corpus' hash; else the only one of the vocabulary
+    size there)."""
     from gwtf.model.data import resolve_cache_dir
 
     if data_cfg.tokenizer == "byte":
         return ByteTokenizer()
+    if is_tokenizer_path(data_cfg.tokenizer):
+        return load_tokenizer_file(explicit or _recorded_tokenizer(data_cfg.tokenizer, near))
     if explicit:
+        if Path(explicit).is_dir():
+            return load_tokenizer_file(explicit)
         return _bpe_file(Path(explicit), data_cfg.vocab_size)
     cache = resolve_cache_dir(data_cfg)
     folders = {"shakespeare": [cache / "shakespeare", cache / "synthetic"], "synthetic": [cache / "synthetic"]}
@@ -254,6 +269,16 @@ def find_tokenizer(data_cfg: DataConfig, explicit: str | None, say: Say = _say_s
                             f"with --tokenizer FILE")
     raise UserError(f"tokenizer not found: no {pattern} in {cache} (data.cache_dir / $GWTF_CACHE of the run); "
                     f"pass --tokenizer FILE")
+
+
+def _recorded_tokenizer(recorded: str, near: Path | None) -> Path:
+    """The tokenizer path a config records, else (moved) the tokenizer/ folder next to `near`."""
+    from gwtf.model.hf_import import TOKENIZER_DIR
+
+    path = Path(recorded).expanduser()
+    if path.exists() or near is None:
+        return path
+    return next((f / TOKENIZER_DIR for f in (near, near.parent) if (f / TOKENIZER_DIR).is_dir()), path)
 
 
 def _bpe_file(path: Path, vocab_size: int) -> Tokenizer:
@@ -275,11 +300,11 @@ def load_trained(
     if where.kind == "local":
         raw, stages, done = _load_local(where.folder, version, say)
         model_cfg, data_cfg = _run_config(where.folder, config) if config else _sections(raw, str(where.folder))
-        tok = find_tokenizer(data_cfg, tokenizer, say)
+        tok = find_tokenizer(data_cfg, tokenizer, say, where.folder)
     else:
         model_cfg, data_cfg = _run_config(where.folder, config)
-        tok = find_tokenizer(data_cfg, tokenizer, say)
+        tok = find_tokenizer(data_cfg, tokenizer, say, where.folder)
         want = where.version if version is None else version
         stages, done = _load_swarm(where.roots, model_cfg.stages, want, say)
-    model = _assemble(model_spec(model_cfg, vocab_size_for(data_cfg)), stages, str(path))
+    model = _assemble(model_spec(model_cfg, tok.vocab_size), stages, str(path))
     return Trained(model=model, tokenizer=tok, model_cfg=model_cfg, data_cfg=data_cfg, kind=where.kind, version=done)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from gwtf.errors import UserError
 
-__all__ = ["INDEX_NAME", "Checkpoint", "has_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["INDEX_NAME", "Checkpoint", "has_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
 
 INDEX_NAME = "checkpoint.json"
 PREV_INDEX_NAME = "checkpoint.prev.json"
@@ -209,6 +209,20 @@ def load_checkpoint(ckpt_dir: str | Path, warn: Callable[[str], None] | None = N
             return _load_index(root, root / PREV_INDEX_NAME)
         except UserError:
             raise newest from None
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The metadata of the newest index that parses (else the previous one), without reading or
+    verifying a tensor file: what a checkpoint holds, cheaply (`load_checkpoint` verifies)."""
+    root = Path(ckpt_dir)
+    if not has_checkpoint(root):
+        raise UserError(f"no checkpoint: {root / INDEX_NAME} does not exist")
+    try:
+        return dict(_read_index(root / INDEX_NAME)["meta"])
+    except UserError:
+        if not (root / PREV_INDEX_NAME).is_file():
+            raise
+        return dict(_read_index(root / PREV_INDEX_NAME)["meta"])
 
 
 def _load_index(root: Path, index_path: Path) -> Checkpoint:

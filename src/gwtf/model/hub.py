@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from gwtf.model.presets import ModelSpec
-from gwtf.model.tokenizer import EOT, BpeTokenizer, ByteTokenizer, Tokenizer
+from gwtf.model.tokenizer import EOT, BpeTokenizer, ByteTokenizer, FileTokenizer, Tokenizer
 from gwtf.model.transformer import Transformer
 
 __all__ = ["DTYPES", "hf_config", "hf_state_dict", "tokenizer_files", "write_hf_folder"]
@@ -146,7 +146,18 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def tokenizer_files(tokenizer: Tokenizer, seq_len: int) -> dict[str, str]:
     """File name -> text of the tokenizer files: tokenizer.json (a `tokenizers` pipeline
-    identical to ours), tokenizer_config.json and special_tokens_map.json."""
+    identical to ours), tokenizer_config.json and special_tokens_map.json. A tokenizer read from
+    files (an imported model's, `data.tokenizer` = a path) is written back as read, its side files
+    too; the ones it lacks are made naming its end-of-text token."""
+    if isinstance(tokenizer, FileTokenizer):
+        special = {"bos_token": tokenizer.eot_token, "eos_token": tokenizer.eot_token}
+        made = {
+            "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                                                 "model_max_length": seq_len}, indent=2),
+            "special_tokens_map.json": json.dumps(special, indent=2),
+        }
+        side = {name: text.rstrip("\n") for name, text in tokenizer.side_files.items()}
+        return {"tokenizer.json": tokenizer.to_json().rstrip("\n"), **made, **side}
     if isinstance(tokenizer, BpeTokenizer):
         pipeline = tokenizer.to_json()
     elif isinstance(tokenizer, ByteTokenizer):

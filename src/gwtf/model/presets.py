@@ -88,6 +88,7 @@ class ModelSpec:
     dropout: float = 0.0
     rope_theta: float = 10000.0  # llama only
     norm_eps: float = 1e-5
+    init_from: str = ""  # initial weights (model.init_from: gwtf.model.pretrained), "" = the seeded init
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -190,18 +191,36 @@ class ModelSpec:
         return 3 * self.stage_param_count(stage, stages) * dtype_bytes
 
 
+def config_dims(cfg: ModelConfig) -> dict[str, int]:
+    """The five shape numbers of a config: the preset's, each replaced by its model key when that
+    is set (> 0); "custom" takes them all from the keys (n_kv_head: n_head unless set). A gpt
+    model's n_kv_head follows n_head unless set."""
+    keys = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
+    dims = {k: 0 for k in keys} if cfg.preset == "custom" else preset_dims(cfg.preset, cfg.family)
+    dims.update({k: getattr(cfg, k) for k in keys if getattr(cfg, k) > 0})
+    if cfg.n_kv_head == 0 and (cfg.preset == "custom" or cfg.family == "gpt"):
+        dims["n_kv_head"] = dims["n_head"]
+    return dims
+
+
 def model_spec(cfg: ModelConfig, vocab_size: int) -> ModelSpec:
-    """Spec for a `gwtf.config.ModelConfig` and a tokenizer's vocabulary size.
+    """Spec for a `gwtf.config.ModelConfig` and a tokenizer's vocabulary size (model.vocab_size,
+    when set, is the embedding's size and must hold the tokenizer's).
 
     Raises:
-        UserError: unknown preset/family, or more relay stages (`stages - 1`) than layers.
+        UserError: unknown preset/family, more relay stages (`stages - 1`) than layers, or a
+        model.vocab_size smaller than the tokenizer's.
     """
-    dims = preset_dims(cfg.preset, cfg.family)
+    dims = config_dims(cfg)
     if cfg.stages - 1 > dims["n_layer"]:
         raise UserError(
             f"model.stages={cfg.stages} needs {cfg.stages - 1} relay stages but preset "
             f"{cfg.preset!r} ({cfg.family}) has only {dims['n_layer']} layers"
         )
+    if cfg.vocab_size and vocab_size > cfg.vocab_size:
+        raise UserError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+                        f"({vocab_size} tokens)")
     return ModelSpec(
-        family=cfg.family, vocab_size=vocab_size, seq_len=cfg.seq_len, dropout=cfg.dropout, **dims
+        family=cfg.family, vocab_size=cfg.vocab_size or vocab_size, seq_len=cfg.max_positions or cfg.seq_len,
+        dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, init_from=cfg.init_from, **dims
     )

@@ -109,10 +109,16 @@ def split_model(model: Transformer, stages: int) -> list[nn.Module]:
 def build_stage(
     spec: ModelSpec, stage: int, stages: int, seed: int, device: str | torch.device = "cpu"
 ) -> nn.Module:
-    """Stage `stage` alone, bit-identical to `split_model(build_model(spec, seed), stages)[stage]`."""
+    """Stage `stage` alone, bit-identical to `split_model(build_model(spec, seed), stages)[stage]`;
+    with `spec.init_from` (model.init_from) its weights are that source's instead."""
     mod = _empty_stage(spec, stage, stages)
     mod.to_empty(device=device)
-    init_weights(mod, spec, seed, global_name=mod.global_param_name)  # type: ignore[arg-type]
+    if spec.init_from:
+        from gwtf.model.pretrained import load_initial_weights
+
+        load_initial_weights(mod, spec, mod.global_param_name)  # type: ignore[arg-type]
+    else:
+        init_weights(mod, spec, seed, global_name=mod.global_param_name)  # type: ignore[arg-type]
     return mod
 
 

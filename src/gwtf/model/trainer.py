@@ -37,6 +37,7 @@ from gwtf.model.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gwtf.model.data import TokenDataset, load_dataset, resolve_source
 from gwtf.model.device import compute_autocast, peak_memory_bytes, resolve_device
 from gwtf.model.presets import model_spec
+from gwtf.model.pretrained import resolve_init
 from gwtf.model.stage import FirstStage, build_stage, round_on_wire, stage_forward_backward_reference
 
 __all__ = [
@@ -318,8 +319,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _check_resumable(saved: dict[str, Any], cfg: Config) -> None:
     now = _flatten(to_dict(cfg))
-    old = _flatten(saved)
-    for key in sorted(set(now) | set(old)):
+    old = {**_flatten(to_dict(Config())), **_flatten(saved)}
+    for key in sorted(set(now) | set(old)):  # (a key the checkpoint predates counts as its default)
         if key not in _RESUMABLE_KEYS and now.get(key) != old.get(key):
             raise UserError(
                 f"cannot resume: checkpoint was written with {key}={old.get(key)!r}, config now has "
@@ -402,7 +403,9 @@ def train_local(
     `stop_after` ends this invocation after that many completed iterations (tests, debugging);
     train.time_limit_s ends it after that much wall time. Both checkpoint before returning.
     The stages live on `train.device` (resolved: UserError for cuda without CUDA) and compute in
-    `train.precision`; weights and optimizer state are float32 either way.
+    `train.precision`; weights and optimizer state are float32 either way. With model.init_from
+    they start from that model's weights (`gwtf.model.pretrained`), and the first metrics row also
+    has `val_loss_start`, the validation loss of those weights before any step.
     """
     tc = cfg.train
     out = Path(out_dir)
@@ -412,6 +415,7 @@ def train_local(
     torch.manual_seed(tc.seed)  # only dropout draws from it; init is seeded per stage
     device = resolve_device(tc.device, flag="train.device =")  # the commands check --device first
     kwargs = {"say": say} if say is not None else {}
+    cfg = resolve_init(cfg)  # model.init_from: its shape and tokenizer (the stages load its weights)
     cfg = dataclasses.replace(cfg, data=resolve_source(cfg.data, **kwargs))  # the resolved config records it
     tc = cfg.train
     ckpt = _open_checkpoint(out, cfg) if resume else None
@@ -428,6 +432,8 @@ def train_local(
     w = cfg.wire
     rounding = StageGradRounding(w.stage_gradients, w.block_values, w.error_feedback) \
         if tc.local_rounding and w.stage_gradients != "fp32" else None
+    # a run started from model.init_from reports the loss of those weights first (= `gwtf eval`)
+    start_loss = evaluate(stages, val_batches, tc.precision) if cfg.model.init_from and start == 0 else None
     t0 = time.monotonic()
     completed, stopped = start, False
     with metrics_path.open("a", encoding="utf-8") as sink:
@@ -439,6 +445,8 @@ def train_local(
             completed = t + 1
             last = completed == tc.iterations
             row = _metrics_row(t, stats, metrics, elapsed0 + time.monotonic() - t0, dt, device)
+            if t == 0 and start_loss is not None:
+                row["val_loss_start"] = start_loss
             stopped = not last and (
                 (stop_after is not None and completed >= stop_after)
                 or (tc.time_limit_s > 0 and time.monotonic() - t0 >= tc.time_limit_s)

@@ -64,6 +64,7 @@ from gwtf.model import wire
 from gwtf.model.data import TokenDataset, load_dataset
 from gwtf.model.device import resolve_device
 from gwtf.model.presets import ModelSpec, model_spec
+from gwtf.model.pretrained import resolve_init
 from gwtf.model.tokenizer import vocab_size_for
 from gwtf.model.trainer import lr_at
 from gwtf.protocol.base import Message, NodeId
@@ -159,6 +160,7 @@ class Host:
     @classmethod
     def create(cls, cfg: Config, ident: NodeIdentity, node_id: NodeId) -> Host:
         """Build dataset (data holders), model spec, worker and core (on the torch thread)."""
+        cfg = resolve_init(cfg)  # model.init_from: its shape and tokenizer (build_stage loads its weights)
         device = resolve_device(ident.device)
         dataset = None
         if ident.role == "data-holder":
