@@ -284,6 +284,11 @@ class ProtocolConfig:
     partition_timeout_s: float = 60.0  # a node that cannot reach any leader this long stops
     checkpoint_every: int = 10  # iterations between (modelled) checkpoints; a lost stage rolls back to one
     checkpoint_replicate: bool = True  # at each checkpoint a replica of every relay stage sends it to the data holders
+    # ... and, while at most stage0_copies_max_dhs data holders are live, the data holders send stage 0's to this
+    # many relays (the lowest-id replica of stage 1, 2, ...), so that stage 0 survives losing every data holder on
+    # machines of their own (0: never; a joiner restores stage 0 from a relay's copy, else its own disk)
+    stage0_copies: int = 2
+    stage0_copies_max_dhs: int = 2  # ... (train.data_holders or more: at every checkpoint)
     # a joiner becomes a data holder (stage 0, a vacant shard) while fewer than train.data_holders are live or
     # joining; false: the paper's behaviour, joiners become relays and a crashed data holder's shard stays vacant
     data_holder_joins: bool = True
@@ -315,6 +320,8 @@ class ProtocolConfig:
         _require(self.partition_timeout_s > self.evict_after_s, "protocol.partition_timeout_s",
                  "must be > protocol.evict_after_s")
         _require(self.checkpoint_every >= 1, "protocol.checkpoint_every", "must be >= 1")
+        _require(self.stage0_copies >= 0, "protocol.stage0_copies", "must be >= 0")
+        _require(self.stage0_copies_max_dhs >= 0, "protocol.stage0_copies_max_dhs", "must be >= 0")
         _require(self.swarm_rebalance_period_s >= 0, "protocol.swarm_rebalance_period_s", "must be >= 0")
         _require(self.swarm_ban_s >= 0, "protocol.swarm_ban_s", "must be >= 0")
         _require(self.rebalance_period_s >= 0, "protocol.rebalance_period_s", "must be >= 0")

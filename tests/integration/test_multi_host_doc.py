@@ -48,6 +48,7 @@ from typing import Any
 
 import pytest
 
+from gwtf.runtime import checkpoints
 from gwtf.runtime.checkpoints import newest_complete
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -347,6 +348,85 @@ def test_the_multi_host_doc_on_loopback_addresses(tmp_path: Path) -> None:
         assert len(again["notes"]) == 1 and "set aside" in again["notes"][0], again
         print(f"relay {victim.name} (stage {stage_of[victim.name]}) killed after {killed_at} iterations; "
               f"every node killed and resumed at version {version}")
+    finally:
+        for m in machines:
+            for proc in m.started:
+                _kill(proc)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_every_data_holder_machine_lost_two_new_machines_restore_stage_0_from_a_relays_copy(tmp_path: Path) -> None:
+    """docs/multi-host.md "Losing every data holder" (issue 42: no class of node holds the only
+    copies of a stage): the doc's six machines, then both data holders' machines killed at once
+    (kill -9) once a relay's own folder holds a copy of stage 0's checkpoint. A relay leads and
+    pauses (stage 0 lost); two new machines with empty folders join through a relay as data
+    holders of the two vacant shards. Their own disks have no stage 0: they fetch it from a
+    relay's copy (`checkpoint_fetched`, source a relay), the swarm rolls back to that version and
+    finishes; every survivor and joiner exits 0 and the gathered folders' audit is clean."""
+    env = {**os.environ, "GWTF_PIP_INDEX_URL": os.environ.get("GWTF_PIP_INDEX_URL") or "none"}
+    env.pop("GWTF_SWARM_SECRET", None)
+    names = (*NAMES, "nd0", "nd1")  # the two new data-holder machines, shards 0 and 1
+    machines: list[Machine] = []
+    for i, name in enumerate(names):
+        host, letter = f"127.0.0.{i + 2}", "abcdefgh"[i]
+        (tmp_path / letter).mkdir()
+        machines.append(Machine(letter, name, host, _free_port(host), tmp_path / letter))
+        shutil.copy(DEMO_CONFIG, tmp_path / letter / "swarm.toml")
+        machines[-1].out = f"runs/{letter}"
+    first, new = machines[:6], machines[6:]
+    made = subprocess.run(_gwtf("secret", "new", "swarm.secret"), cwd=first[0].dir, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    for m in machines[1:]:
+        shutil.copy(first[0].dir / "swarm.secret", m.dir / "swarm.secret")
+        os.chmod(m.dir / "swarm.secret", 0o600)
+    sets = [*SETS, 'data.source="synthetic"']  # every machine agrees on the data without a download
+    set_flags = [x for s in sets for x in ("--set", s)]
+    relays = first[2:]
+    try:
+        _start_swarm(first, "run", FIRST_RUN, set_flags, env)
+        deadline = time.monotonic() + 120
+
+        def relay_copy() -> int:
+            return max((v for m in relays for v in checkpoints.versions(m.dir / m.out / "checkpoints", 0)), default=0)
+
+        while relay_copy() < EVERY:
+            assert all(m.proc is not None and m.proc.poll() is None for m in first), _tails(first)
+            assert time.monotonic() < deadline, f"no relay holds stage 0 within 120s\n{_tails(first)}"
+            time.sleep(POLL_S)
+        for m in first[:2]:  # both data holders' machines at once
+            _signal(m.proc, signal.SIGKILL)
+        for m in first[:2]:
+            _kill(m.proc)
+        contact = relays[0]
+        for m in new:
+            m.terminal = m.dir / "terminal-run.txt"
+            flags = ["--listen", m.listen, "--join", contact.listen, "--role", "data-holder", "--shard", m.name[2:],
+                     "--name", m.name, "--config", "swarm.toml", "--secret-file", "swarm.secret", "--out", m.out,
+                     "--device", "cpu"]
+            with m.terminal.open("wb") as term:
+                m.proc = subprocess.Popen(_gwtf("node", *flags, *set_flags), cwd=m.dir, stdout=term,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                          start_new_session=True)
+            m.started.append(m.proc)
+        _wait_until_all_exit([*relays, *new], machines, 180)
+        fetched = [r for m in new for r in m.records() if r.get("event") == "checkpoint_fetched"]
+        relay_ids = {json.loads(line[len("READY "):])["node"] for m in relays for line in m.lines()
+                     if line.startswith("READY ")}
+        assert fetched and all(r["stage"] == 0 and r["source"] in relay_ids for r in fetched), fetched
+        assert all(checkpoints.versions(m.dir / m.out / "checkpoints", 0) for m in new)
+        folder = tmp_path / "gathered"
+        for m in machines:
+            shutil.copytree(m.dir / m.out, folder / m.out)
+        shutil.copy(DEMO_CONFIG, folder / "swarm.toml")
+        done = subprocess.run(_gwtf("audit", *(m.out for m in machines), "--config", "swarm.toml", *set_flags,
+                                    "--json"), cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        summary = json.loads(done.stdout)
+        assert summary["clean"] and summary["violations"] == [] and summary["finished"], summary
+        assert summary["end"] == ITERATIONS, summary
+        print(f"stage 0 fetched from a relay's copy: {fetched}")
     finally:
         for m in machines:
             for proc in m.started:

@@ -98,3 +98,40 @@ def test_a_copy_already_on_a_shared_folder_is_not_rewritten(tmp_path: Path) -> N
     assert checkpoints.stage_dir(folder, 1).joinpath("v5.safetensors").stat().st_mtime_ns == mtime
     assert checkpoints.keep_version(folder, 1, 5, blob[::-1])  # different bytes: written
     assert checkpoints.read_version(folder, 1, 5) == blob[::-1]
+
+
+def test_stage_0_travels_data_holder_to_relay_to_a_joining_data_holder(tmp_path: Path) -> None:
+    """Issue 42 (no class holds the only copies): a data holder (host B) exports its stage-0
+    checkpoint 5 (re-serialised: a data holder keeps no blob after its step), a relay (host A)
+    stores it in its own folder beside its own stage's, and a joiner made a data holder on an
+    empty host C, with every data holder gone, imports it from A: the same weights."""
+    holder = _host(tmp_path / "B", "dh1", "data-holder", 0)
+    relay = _host(tmp_path / "A", "r1a", "relay", 1)
+    joiner = _host(tmp_path / "C", "j1", "data-holder", 0)
+    assert holder.worker is not None and joiner.worker is not None
+    with torch.no_grad():
+        for p in holder.worker.module.parameters():
+            p.add_(0.01)
+    holder._save_checkpoint(holder.worker, 5)
+    assert holder._last_blob is None  # stage 0 keeps no extra copy in memory between checkpoints
+    expected = holder.worker.weights_hash()
+    on_disk = checkpoints.read_version(tmp_path / "B" / "checkpoints", 0, 5)
+
+    out_key = ("ckpt", 0, 5, holder.node_id)
+    res = holder.compute(Compute(1, "export_checkpoint", 0, None, 0.0, (), (out_key,)))
+    assert res.records == [("checkpoint_exported", {"stage": 0, "version": 5})]
+    _deliver(holder, relay, out_key)
+    res = relay.compute(Compute(2, "store_checkpoint", 1, None, 0.0, (out_key,), ()))
+    assert res.records == [("checkpoint_stored", {"stage": 0, "version": 5, "source": holder.node_id,
+                                                  "written": True})]
+    assert relay.worker is not None and relay.worker.stage == 1  # no stage-0 worker built on A
+    assert checkpoints.read_version(tmp_path / "A" / "checkpoints", 0, 5) == on_disk
+
+    assert checkpoints.versions(tmp_path / "C" / "checkpoints", 0) == []
+    serve_key = ("ckpt", 0, 5, relay.node_id)
+    res = relay.compute(Compute(3, "read_checkpoint", 1, None, 0.0, (), (serve_key,)))
+    assert res.records == [("checkpoint_served", {"stage": 0, "version": 5})]
+    _deliver(relay, joiner, serve_key)
+    res = joiner.compute(Compute(4, "import_state", 0, None, 0.0, (serve_key,), ()))
+    assert res.records[0][0] == "state_imported" and res.records[0][1]["hash"] == expected
+    assert checkpoints.read_version(tmp_path / "C" / "checkpoints", 0, 5) == on_disk

@@ -468,16 +468,25 @@ class Aggregation:
         newest checkpoint of every stage (`protocol.checkpoint_replicate`): the sorted data
         holders are dealt round-robin over the round's sorted replicas (the Commit's list, the
         same at every replica), so each data holder gets one copy and the uplinks share the
-        load. The export runs after the step (computes are FIFO): it holds state `version`."""
-        if not self.node.cfg.checkpoint_replicate or self.node.me.stage == 0 or \
+        load. Stage 0's goes the same way to `stage0_copy_holders` (a few relays) while at most
+        `protocol.stage0_copies_max_dhs` data holders are live: no class of node holds the only
+        copies of a stage. The export runs after the step (computes are FIFO): it holds state `version`."""
+        if not self.node.cfg.checkpoint_replicate or \
                 not checkpoint_due(version, self.node.cfg.checkpoint_every, self.node.train.iterations):
             return []
         replicas = sorted(c.replicas)
         if self.node.me.id not in replicas:
             return []
         mine, n = replicas.index(self.node.me.id), len(replicas)
-        dhs = sorted(self.node.data_holders())
-        targets = tuple(d for j, d in enumerate(dhs) if j % n == mine)
+        if self.node.me.stage == 0:
+            # stage 0 is on every data holder; while few are live it also goes to relays
+            # (`protocol.stage0_copies`), the data holders sharing the uplink work as above
+            if n > self.node.cfg.stage0_copies_max_dhs:
+                return []
+            holders = self.node.members.stage0_copy_holders()[:self.node.cfg.stage0_copies]
+        else:
+            holders = sorted(self.node.data_holders())
+        targets = tuple(d for j, d in enumerate(holders) if j % n == mine)
         if not targets:
             return []
         key = ("ckpt", self.node.me.stage, version, self.node.me.id)

@@ -773,15 +773,35 @@ class Membership:
         self.state_tries += 1
         if replicas and self.state_tries <= STATE_TRIES:
             return self._ask_state(self.node.rng.choice(replicas), StateRequest(stage=self.node.me.stage), size, now)
-        holders = sorted(p for p in self.node.data_holders() if p != self.node.me.id and p not in failed)
+        if self.node.me.stage == 0:  # no data holder lives: the relays that may keep copies of stage 0
+            holders = [p for p in self.stage0_copy_holders(everyone=True) if p not in failed]
+        else:
+            holders = sorted(p for p in self.node.data_holders() if p != self.node.me.id and p not in failed)
         if self.node.cfg.checkpoint_replicate and checkpoint > 0 and holders:
-            # several hosts: the data holders keep the newest checkpoint of every stage; our
-            # own disk (below) is the last resort once every data holder refused or failed
+            # several hosts: the data holders keep the newest checkpoint of every stage (a few
+            # relays stage 0's); our own disk (below) is the last resort once every holder
+            # refused or failed
             return self._ask_state(holders[0], StateRequest(stage=self.node.me.stage, checkpoint=checkpoint), size, now)
         self.state_source = "checkpoint"
         key = ("state", self.node.me.stage, checkpoint, "checkpoint")
         job = self.node.job(ComputeKind.LOAD_CHECKPOINT, checkpoint)
         return [Compute(job, ComputeKind.LOAD_CHECKPOINT, self.node.me.stage, None, 0.0, (), (key,), size)]
+
+    def stage0_copy_holders(self, everyone: bool = False) -> list[NodeId]:
+        """The relays that keep copies of stage 0's checkpoints, in order: the lowest-id member
+        of stage 1, of stage 2, ... (`Aggregation._replicate_checkpoint` sends to the first
+        `protocol.stage0_copies`); `everyone`: then every other relay, by id (a stage-0 joiner
+        with no data holder alive asks them in this order: the first were the likeliest
+        holders, but members have changed since)."""
+        by_stage: dict[int, list[NodeId]] = {}
+        for p in sorted(self.node.directory):
+            st = self.node.directory[p].stage
+            if 1 <= st < self.node.S and p != self.node.me.id:
+                by_stage.setdefault(st, []).append(p)
+        first = [by_stage[k][0] for k in sorted(by_stage)]
+        if not everyone:
+            return first
+        return first + sorted(p for k in sorted(by_stage) for p in by_stage[k][1:])
 
     def _ask_state(self, src: NodeId, req: StateRequest, size: int, now: float) -> list[Effect]:
         """Send a state request to `src` with the state deadline (`on_state_timer`)."""
@@ -814,8 +834,11 @@ class Membership:
     def _checkpoint_request(self, sender: NodeId, msg: StateRequest) -> list[Effect]:
         """A data holder answers a joiner with its copy of checkpoint `msg.checkpoint` of
         `msg.stage` (read from disk by the driver; a missing or corrupt file fails the job,
-        which refuses the request: `core.on_compute_failed`)."""
-        if self.node.me.stage != 0 or not self.node.active or not 1 <= msg.stage < self.node.S or msg.checkpoint < 1:
+        which refuses the request: `core.on_compute_failed`); a relay likewise with its copy of
+        stage 0's, if it stored that version (else it refuses at once)."""
+        mine = 1 <= msg.stage < self.node.S if self.node.me.stage == 0 else \
+            msg.stage == 0 and self.node.agg.copies.get(0, NONE) >= msg.checkpoint
+        if not self.node.active or not mine or msg.checkpoint < 1:
             return [self.node.send(sender, StateTransfer(stage=msg.stage, version=NONE, key=(), ok=False))]
         key = ("ckpt", msg.stage, msg.checkpoint, self.node.me.id)
         size = self.node.train.stage_state_bytes[msg.stage]
@@ -826,7 +849,8 @@ class Membership:
         """A data holder receives a relay stage's checkpoint from one of its replicas: keep it."""
         k, v = msg.stage, msg.version
         info = self.node.directory.get(sender)
-        ok = (self.node.me.stage == 0 and msg.ok and info is not None and info.stage == k and 1 <= k < self.node.S
+        mine = 1 <= k < self.node.S if self.node.me.stage == 0 else k == 0  # (relays keep stage 0's)
+        ok = (mine and msg.ok and info is not None and info.stage == k
               and checkpoint_due(v, self.node.cfg.checkpoint_every, self.node.train.iterations) and msg.key == ("ckpt", k, v, sender))
         if not ok:
             return [log("warning", "checkpoint_refused", sender=sender, stage=k, version=v)]

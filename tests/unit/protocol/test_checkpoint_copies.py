@@ -29,9 +29,11 @@ def _ckpt_sends(h: Harness) -> list[tuple[str, str, m.StateTransfer]]:
             if isinstance(msg, m.StateTransfer) and msg.key[:1] == ("ckpt",)]
 
 
-def _swarm(replicate: bool = True, iterations: int = 5) -> Harness:
-    cfg = ProtocolConfig(checkpoint_every=EVERY, checkpoint_replicate=replicate)
-    h = Harness(peers((2, 2, 1)), replace(TRAIN, iterations=iterations), cfg=cfg)
+def _swarm(replicate: bool = True, iterations: int = 5, stage0_copies: int = 0, sizes: tuple[int, ...] = (2, 2, 1),
+           max_dhs: int = 2) -> Harness:
+    cfg = ProtocolConfig(checkpoint_every=EVERY, checkpoint_replicate=replicate, stage0_copies=stage0_copies,
+                         stage0_copies_max_dhs=max_dhs)
+    h = Harness(peers(sizes), replace(TRAIN, iterations=iterations, data_holders=sizes[0]), cfg=cfg)
     h.start()
     return h
 
@@ -206,3 +208,65 @@ def test_a_checkpoint_the_joiners_disk_cannot_load_falls_back_to_the_previous_on
     stops = [dict(e.fields) for e in out if isinstance(e, m.Record) and e.event == "self_stop"]
     assert stops == [{"node": "j", "reason": "compute_failed"}] and not j.alive
     assert not _loads(out) and not _asked(out)
+
+
+def test_while_few_data_holders_live_stage_0_goes_to_the_first_replica_of_each_relay_stage() -> None:
+    """No class of node holds the only copies of a stage (issue 42): with at most
+    `stage0_copies_max_dhs` data holders, each checkpoint of stage 0 also goes to relays, the
+    lowest-id replica of stage 1 and of stage 2, dealt over the data holders like the relay
+    stages' copies (d0 -> a0, d1 -> b0); a relay keeps it (store_checkpoint)."""
+    h = _swarm(stage0_copies=2)
+    h.run(60.0, stop=lambda: bool(h.events("training_done")))
+    assert h.events("training_done")
+    got = sorted((dst, msg.version, src) for src, dst, msg in _ckpt_sends(h) if msg.stage == 0)
+    assert got == sorted((dst, v, src) for v in (2, 4) for dst, src in (("a0", "d0"), ("b0", "d1")))
+    assert all(msg.size_bytes == TRAIN.stage_state_bytes[0] for _, _, msg in _ckpt_sends(h) if msg.stage == 0)
+    stored = sorted((n, c.inputs[0]) for n, c in h.computes if c.kind == "store_checkpoint" and c.inputs[0][1] == 0)
+    assert stored == sorted((dst, msg.key) for _, dst, msg in _ckpt_sends(h) if msg.stage == 0)
+    # one copy only: the first holder
+    h = _swarm(stage0_copies=1)
+    h.run(60.0, stop=lambda: bool(h.events("training_done")))
+    assert sorted((dst, src) for src, dst, msg in _ckpt_sends(h) if msg.stage == 0) == [("a0", "d0")] * 2
+
+
+def test_with_more_data_holders_live_than_the_bound_stage_0_is_not_copied() -> None:
+    h = _swarm(stage0_copies=2, sizes=(3, 2, 1), max_dhs=2)
+    h.run(60.0, stop=lambda: bool(h.events("training_done")))
+    assert h.events("training_done")
+    assert [msg for _, _, msg in _ckpt_sends(h) if msg.stage == 0] == []
+    assert {msg.stage for _, _, msg in _ckpt_sends(h)} == {1, 2}  # the relay stages' copies as before
+
+
+def test_every_data_holder_lost_a_joiner_restores_stage_0_from_a_relays_copy() -> None:
+    """Both data holders crash at once after checkpoint 4: a relay leads and pauses (stage 0
+    lost); a joiner is given stage 0, asks the relays for the checkpoint in holder order (a0
+    first: it stored it) and imports it over the wire, not from its own disk (on machines of
+    their own it has none); the swarm rolls back to 4 and finishes."""
+    h = _swarm(iterations=8, stage0_copies=2)
+    h.run(60.0, stop=lambda: any(f["iteration"] == 4 for f in h.events("iteration_done")))
+    h.crash("d0")
+    h.crash("d1")
+    h.run(h.now + 60.0, stop=lambda: bool(h.events("stage_lost")))
+    assert h.events("stage_lost")
+    joiner = NodeCore(PeerInfo(id="j", stage=-1, region="r", compute_s=0.1, capacity=4), h.cfg, h.train,
+                      random.Random(1))
+    h.cores["j"] = joiner
+    h.apply("j", joiner.on_start(h.now, [PeerInfo(id="a1", stage=-1, region="r", compute_s=0.1, capacity=1)]))
+    h.run(h.now + 200.0, stop=lambda: bool(h.events("training_done")))
+    assert h.events("training_done"), "the swarm did not go on after the restore"
+    asks = [(dst, msg.stage, msg.checkpoint) for src, dst, msg in h.sent if src == "j" and isinstance(msg, m.StateRequest)]
+    assert asks == [("a0", 0, 4)], asks
+    assert h.events("checkpoint_fetched") == [{"node": "j", "stage": 0, "version": 4, "source": "a0"}]
+    assert [c.kind for n, c in h.computes if n == "j"][0] == "import_state"  # not its own disk
+    assert h.events("rollback")[-1]["version"] == 4
+
+
+def test_a_relay_refuses_a_stage_0_request_for_a_version_it_did_not_store() -> None:
+    h = _swarm(iterations=50, stage0_copies=2)
+    h.run(1.0)
+    out = h.cores["a1"].on_message("j", m.StateRequest(stage=0, checkpoint=2), h.now)
+    (sent,) = [e.msg for e in out if isinstance(e, Send)]
+    assert isinstance(sent, m.StateTransfer) and not sent.ok
+    out = h.cores["a0"].on_message("j", m.StateRequest(stage=1, checkpoint=2), h.now)  # a relay serves no relay stage
+    (sent,) = [e.msg for e in out if isinstance(e, Send)]
+    assert isinstance(sent, m.StateTransfer) and not sent.ok
