@@ -27,7 +27,10 @@ from gwtf.sim.simulator import Simulator
 SCENARIO = ['model.preset="tiny"', "model.seq_len=64", "model.microbatch_size=4", "model.stages=3",
             "nodes.count=10", "nodes.data_holders=3", "nodes.relay_capacity=[1, 3]",
             "train.iterations=4", "train.microbatches=2", "sim.max_time_s=2000.0",
-            "churn.crash_rate_per_hour=0.0", "churn.leave_rate_per_hour=0.0", "churn.join_rate_per_hour=0.0"]
+            "churn.crash_rate_per_hour=0.0", "churn.leave_rate_per_hour=0.0", "churn.join_rate_per_hour=0.0",
+            # exact event counts: measured on the gather reduce with fp32 messages (their sizes set the timing)
+            'wire.activations="fp32"', 'wire.gradients="fp32"', 'wire.stage_gradients="fp32"',
+            'protocol.reduce="gather"']
 SEED = 1
 HOPS_PER_ITERATION = 3 * 2 * 3  # data holders x microbatches x stages
 

@@ -41,7 +41,10 @@ def test_a_collect_that_overtakes_its_iterstart_is_answered_for_the_new_iteratio
     resend Step, IterStart and Collect to one relay, and the Collect arrived first. The relay
     reported for its old iteration, which the leader ignores, and never again: the leader waited
     in its collect phase until the run's end with every stage alive (a deadlock)."""
-    extra = ["nodes.count=120", "protocol.view_size=16", "protocol.reduce_fanout=2"]
+    extra = ["nodes.count=120", "protocol.view_size=16", "protocol.reduce_fanout=2",
+             # the seed's replay: a gather tree (reduce_fanout), with the fp32 message sizes that set its timing
+             'protocol.reduce="gather"', 'wire.activations="fp32"', 'wire.gradients="fp32"',
+             'wire.stage_gradients="fp32"']
     summary, _ = run_scenario(load_scenario(None, random_schedule(9253) + extra), 9253)
     assert summary["invariant_violations"] == 0, summary["violations"][:3]
     assert summary["iterations"] == 4

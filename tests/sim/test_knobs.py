@@ -22,7 +22,10 @@ from gwtf.sim.simulator import run_scenario
 # 124m stages on uniform A100s, no jitter: 20 ms of compute per microbatch and stage, so the
 # iteration is bound by the network unless a knob says otherwise.
 BASE = ["model.stages=3", "nodes.count=8", "nodes.data_holders=2", "nodes.relay_capacity=[1, 2]",
-        "train.iterations=3", "train.microbatches=2", 'nodes.gpu_mix="uniform"', "sim.compute_jitter=0.0"]
+        "train.iterations=3", "train.microbatches=2", 'nodes.gpu_mix="uniform"', "sim.compute_jitter=0.0",
+        # network-bound needs full-size (fp32) messages; the downlink test's fan-in is the gather reducer's
+        'wire.activations="fp32"', 'wire.gradients="fp32"', 'wire.stage_gradients="fp32"',
+        'protocol.reduce="gather"']
 COMPUTE_BOUND = ["nodes.link_bandwidth_scale=1000", "nodes.gpu_flops_scale=0.01"]  # ~2 s per microbatch-stage
 NETWORK_BOUND = ["nodes.gpu_flops_scale=1000"]
 
@@ -34,10 +37,12 @@ def _time(*extra: str) -> float:
 
 
 def test_default_knobs_build_the_instance_the_generator_builds_without_them() -> None:
-    sc = load_scenario(None, ["nodes.count=12", "nodes.data_holders=3"])
+    # the generator prices fp32 activations: the scenario's wire formats must say the same
+    fp32 = ['wire.activations="fp32"', 'wire.gradients="fp32"']
+    sc = load_scenario(None, ["nodes.count=12", "nodes.data_holders=3", *fp32])
     explicit = load_scenario(None, ["nodes.count=12", "nodes.data_holders=3", 'nodes.gpu_mix="default"',
                                     "nodes.gpu_flops_scale=1.0", "nodes.link_bandwidth_scale=1.0",
-                                    "nodes.downlink_bytes_per_s=0"])
+                                    "nodes.downlink_bytes_per_s=0", *fp32])
     plain = generate_instance(12, sc.model.stages, 3, seed=5, demand_per_dh=sc.train.microbatches)
     assert build(sc, 5)[0] == plain == build(explicit, 5)[0]
     assert sc.nodes.profile_mix() == DEFAULT_MIX

@@ -56,6 +56,9 @@ SCENARIO = [
     'model.preset="tiny"', "model.seq_len=16", "model.microbatch_size=2", "model.stages=3",
     "nodes.count=8", "nodes.data_holders=2", "nodes.relay_capacity=[1, 3]", f"train.iterations={K}",
     "train.microbatches=2", "sim.max_time_s=1500.0", "sim.progress_bound_s=600.0",
+    # exact: compares with the reference trainer (1e-12), so lossless messages; gather is the reference
+    # reduction (reduce_fanout trees need it; the butterfly test overrides it and compares with gather's bits)
+    'wire.activations="fp32"', 'wire.gradients="fp32"', 'wire.stage_gradients="fp32"', 'protocol.reduce="gather"',
 ]
 
 

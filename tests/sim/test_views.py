@@ -86,6 +86,9 @@ def test_training_under_churn_with_small_views_keeps_every_invariant(seed: int) 
         "nodes.count=200", "nodes.data_holders=4", "nodes.relay_capacity=[1, 3]", "train.iterations=4",
         "train.microbatches=2", "protocol.view_size=16", "churn.crash_rate_per_hour=3.0",
         "churn.join_rate_per_hour=200.0", "sim.max_time_s=20000.0",
+        # churn must hit these seeds' runs: their length is the gather reduce's with fp32 messages
+        'wire.activations="fp32"', 'wire.gradients="fp32"', 'wire.stage_gradients="fp32"',
+        'protocol.reduce="gather"',
     ])
     summary, _ = run_scenario(sc, seed)
     assert summary["finished"], summary
@@ -124,6 +127,9 @@ def test_a_refilled_stage_is_seen_by_every_node_of_a_larger_neighbouring_stage(s
     deadlocked with every stage alive."""
     from faultgen import random_schedule
 
-    extra = ["nodes.count=120", "protocol.view_size=16", "protocol.reduce_fanout=2"]
+    extra = ["nodes.count=120", "protocol.view_size=16", "protocol.reduce_fanout=2",
+             # the seeds' replay: a gather tree (reduce_fanout), with the fp32 message sizes that set its timing
+             'protocol.reduce="gather"', 'wire.activations="fp32"', 'wire.gradients="fp32"',
+             'wire.stage_gradients="fp32"']
     summary, _ = run_scenario(load_scenario(None, random_schedule(seed) + extra), seed)
     assert summary["invariant_violations"] == 0, summary["violations"][:2]

@@ -22,7 +22,10 @@ SMOKE = Path(__file__).resolve().parents[2] / "configs" / "scenarios" / "smoke.t
 CHURNED = ["model.stages=3", "nodes.count=12", "nodes.data_holders=3", "nodes.relay_capacity=[1, 3]",
            "train.iterations=8", "train.microbatches=3", "churn.crash_rate_per_hour=6.0",
            "churn.join_rate_per_hour=60.0", "churn.spare_leader=true",
-           'faults=[{event="crash", after_event="contribute", count=7}]']
+           'faults=[{event="crash", after_event="contribute", count=7}]',
+           # the crash rate must hit a run this long: the gather reduce's with fp32 messages
+           'wire.activations="fp32"', 'wire.gradients="fp32"', 'wire.stage_gradients="fp32"',
+           'protocol.reduce="gather"']
 
 
 def _check_split(s: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,7 @@ def test_joiner_takes_state_with_no_torch_call_on_the_loop(cfg: Config, tmp_path
 def test_received_tensor_is_in_the_store_for_the_next_compute(cfg: Config, tmp_path: Path,
                                                                torch_thread: ThreadPoolExecutor) -> None:
     """Driver contract: a message's tensors are in the store before the compute that reads them."""
+    cfg = replace(cfg, wire=replace(cfg.wire, activations="fp32"))  # fp32: the sent array is the stage's output
     host = torch_thread.submit(_joiner, cfg, tmp_path).result()
     torch_thread.submit(host.compute, Compute(1, "reset_grad", 1, None, 0.0)).result()  # builds the worker
     assert host.worker is not None

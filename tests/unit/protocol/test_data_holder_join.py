@@ -248,7 +248,7 @@ def test_a_data_holder_lost_after_the_reducer_holds_its_gradient_is_counted_in_i
     """Its gradient is in the reduction (the commit stands): the iteration trained its microbatches,
     and says so (`iteration_done`'s expected is the whole batch, nothing is dealt again)."""
     train = replace(TRAIN, iterations=6, data_holders=3, microbatches=3)
-    h = Harness(peers((3, 2, 2)), train)
+    h = Harness(peers((3, 2, 2)), train, cfg=ProtocolConfig(reduce="gather"))  # it is about gather's reducer
     h.start()
     # kill d2 once its gradient share of iteration 3 is on its way to d0 (stage 0's reducer, the
     # lowest id), before d2 holds the reduced gradient (it never says Have: the step waits for
