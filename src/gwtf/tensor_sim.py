@@ -38,6 +38,7 @@ from gwtf.config import Config
 from gwtf.flow.instance import Instance
 from gwtf.model.data import TokenDataset
 from gwtf.model.presets import model_spec
+from gwtf.model.pretrained import resolve_init
 from gwtf.model.stage import build_stage
 from gwtf.model.trainer import StageOptimizer, train_iteration
 from gwtf.protocol.base import Message
@@ -83,10 +84,17 @@ class TensorRun:
 
 def config_for(sc: ScenarioConfig, base: Config) -> Config:
     """The torch side's config, made consistent with the scenario (model, D, M, K, protocol,
-    wire)."""
+    wire). With `base.model.init_from` the model's shape and tokenizer are that source's
+    (`pretrained.resolve_init`, as every node process resolves them) and the scenario gives only
+    the windows and the cut (seq_len, microbatch_size, stages); its family and preset then size
+    the simulated compute alone."""
     m = sc.model
-    model = replace(base.model, family=m.family, preset=m.preset, seq_len=m.seq_len,
-                    microbatch_size=m.microbatch_size, stages=m.stages)
+    if base.model.init_from:
+        base = resolve_init(base)
+        model = replace(base.model, seq_len=m.seq_len, microbatch_size=m.microbatch_size, stages=m.stages)
+    else:
+        model = replace(base.model, family=m.family, preset=m.preset, seq_len=m.seq_len,
+                        microbatch_size=m.microbatch_size, stages=m.stages)
     train = replace(base.train, data_holders=sc.nodes.data_holders,
                     microbatches=sc.nodes.demand_per_dh or sc.train.microbatches, iterations=sc.train.iterations)
     return replace(base, model=model, train=train, protocol=sc.protocol, wire=sc.wire)

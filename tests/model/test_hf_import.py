@@ -18,6 +18,7 @@ import json
 import random
 import shutil
 from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +254,39 @@ def test_tokenizer_from_a_file_or_folder(hf: dict[str, Path], tmp_path: Path) ->
     for bad in (str(bare), str(tmp_path / "missing.json")):
         with pytest.raises(UserError, match="tokenizer"):
             vocab_size_for(DataConfig(tokenizer=bad))
+
+
+def test_the_tensor_simulator_starts_from_an_import(hf: dict[str, Path], imported: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """Real tensors under the simulator (`tensor_sim`) from `model.init_from`: the imported shape and
+    weights, equal to `gwtf train --local`'s iterations from the same import (float64, 1e-12)."""
+    from gwtf.config import load_config
+    from gwtf.model.data import load_dataset
+    from gwtf.sim.scenario import build, load_scenario
+    from gwtf.tensor_sim import compare_stages, config_for, reference_stages, run_with_tensors
+
+    sc = load_scenario(None, ['model.preset="tiny"', "model.seq_len=16", "model.microbatch_size=2", "model.stages=2",
+                              "nodes.count=4", "nodes.data_holders=2", "nodes.relay_capacity=[1, 3]",
+                              "train.iterations=2", "train.microbatches=2", "sim.max_time_s=1500.0",
+                              'wire.activations="fp32"', 'wire.gradients="fp32"', 'wire.stage_gradients="fp32"',
+                              'protocol.reduce="gather"'])
+    corpus = hf["gpt"].parent / "corpus.txt"
+    base = load_config(None, [f'model.init_from="{imported["gpt"]}"', f'data.source="{corpus}"',
+                              f'data.cache_dir="{tmp_path / "cache"}"'])
+    cfg = config_for(sc, base)
+    assert (cfg.model.preset, cfg.model.d_model, cfg.model.n_layer, cfg.model.stages) == ("custom", 32, 2, 2)
+    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders, say=lambda _: None)
+    assert ds.vocab_size <= VOCAB  # the import's own tokenizer, not a BPE trained here
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want, losses = reference_stages(cfg, ds, 2)
+        run = run_with_tensors(sc, 0, cfg, ds, built=build(sc, 0))
+        seeded, _ = reference_stages(replace(cfg, model=replace(cfg.model, init_from="")), ds, 2)
+    finally:
+        torch.set_num_threads(threads)
+    assert run.summary["finished"] and run.weights
+    for node, weights in run.weights.items():
+        d_abs, d_rel = compare_stages(weights, want[run.stage_of[node]])
+        assert d_abs <= 1e-12 and d_rel <= 1e-9, (node, d_abs, d_rel)
+    assert abs(run.losses[0][0] - losses[0]) < 1.0 and compare_stages(want[0], seeded[0])[0] > 1e-3
