@@ -9,7 +9,8 @@ The grid (`grid_cells`): model family x churn x regime x GPU mix, 2 x 4 x 3 x 3 
   0.2, 0.4 (0.33/0.07 is the previous "high" level, the CheckFree rate; the others keep about
   the same 1:5 leave:crash ratio); joins arrive at the swarm-wide crash + leave rate
   (nodes x (crash + leave) per hour) so the swarm keeps its size.
-- regime (`REGIMES`): "shipped" (the scenario below, fp32 wire, gather reduction); "bf16"
+- regime (`REGIMES`): "shipped" (the scenario below on the shipped defaults: int8 wire, butterfly
+  reduction since 2026-12-07; fp32 + gather before, which docs/baselines.md's tables measured); "bf16"
   (activations and activation gradients bf16 on the wire, `protocol.reduce = "butterfly"`: what
   a real swarm sends); "compute" (compute-bound: `nodes.gpu_flops_scale = 0.025`,
   `nodes.link_bandwidth_scale = 10`: every GPU 40x slower, every link 10x faster; halving the
@@ -87,7 +88,7 @@ MIXES = ("uniform", "default", "half-slow")
 SYSTEMS = ("gwtf", "swarm-released", "swarm")
 SWARMS = ("swarm-released", "swarm")
 OPTIMUM = "optimum"
-CACHE_VERSION = 1  # bump when a run's meaning changes without its overrides changing
+CACHE_VERSION = 2  # bump when a run's meaning changes without its overrides changing (2: the int8 + butterfly defaults)
 SCENARIO = (
     'model.preset="124m"', "model.stages=4", "model.seq_len=1024", "model.microbatch_size=8",
     f"nodes.count={NODES}", "nodes.data_holders=4", 'nodes.network="geo10"', "nodes.jitter_fraction=0.1",

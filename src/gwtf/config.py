@@ -164,11 +164,11 @@ class WireConfig:
 
     # forward activations: "fp32" (4 bytes/value, as computed), "bf16" / "fp16" (2 bytes/value),
     # "int8" (blockwise absmax: 1 byte/value + one float32 scale per block_values values)
-    activations: WireFormatName = "fp32"
-    gradients: WireFormatName = "fp32"  # activation gradients sent backward; same choices
+    activations: WireFormatName = "int8"
+    gradients: WireFormatName = "int8"  # activation gradients sent backward; same choices
     # the within-stage reduction's parts (each replica's gradient, and the reduced mean every
     # replica applies): same choices; all replicas apply the same decoded mean (bit-identical)
-    stage_gradients: WireFormatName = "fp32"
+    stage_gradients: WireFormatName = "int8"
     # stage gradients in a lossy format keep the compression residual and add it back next
     # iteration (error feedback), so the rounding error does not accumulate
     error_feedback: bool = True
@@ -305,7 +305,7 @@ class ProtocolConfig:
     # how a stage's replicas average gradients: "gather" (every contributor -> one reducer, which sends the
     # mean to all: R-1 gradients on its uplink) or "butterfly" (reduce-scatter + all-gather over R parts:
     # ~2(R-1)/R of a gradient per node; protocol/butterfly.py). Every node of a swarm must use the same.
-    reduce: Literal["gather", "butterfly"] = "gather"
+    reduce: Literal["gather", "butterfly"] = "butterfly"
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_period_s", "suspect_after_s", "evict_after_s", "deadline_floor_s",

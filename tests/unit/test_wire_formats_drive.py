@@ -69,14 +69,24 @@ def test_relay_computes_on_the_decoded_activation_and_sends_its_format(fmt: str,
     assert wire.format_of(back) == "bf16" and np.isfinite(wire.decode(back)).all()
 
 
-def test_fp32_default_sends_the_array_as_computed(tmp_path: Path) -> None:
-    host = _relay([], tmp_path)
+def test_fp32_sends_the_array_as_computed(tmp_path: Path) -> None:
+    host = _relay(['wire.activations="fp32"'], tmp_path)  # explicit: the default is int8
     act = _act(host)
     key, out = ("act", "d0", 0, 0, "d0", 0), ("act", "d0", 0, 0, "r1", 1)
     host.store_tensors(_fwd(key), [act])
     host.compute(Compute(1, "forward", 1, ("d0", 0, 0), 0.0, (key,), (out,)))
     sent = host.tensors_for(_fwd(out))
     assert len(sent) == 1 and sent[0].dtype == np.float32 and sent[0].shape == act.shape
+
+
+def test_the_default_sends_int8_activations(tmp_path: Path) -> None:
+    host = _relay([], tmp_path)
+    act = _act(host)
+    key, out = ("act", "d0", 0, 0, "d0", 0), ("act", "d0", 0, 0, "r1", 1)
+    host.store_tensors(_fwd(key), wire.encode(act, "int8", 64))
+    host.compute(Compute(1, "forward", 1, ("d0", 0, 0), 0.0, (key,), (out,)))
+    sent = host.tensors_for(_fwd(out))
+    assert wire.format_of(sent) == "int8" and wire.decode(sent, 64).shape == act.shape
 
 
 def test_bad_payloads_are_refused_and_the_relay_keeps_serving(tmp_path: Path) -> None:
