@@ -121,7 +121,6 @@ class Reservation:
             return
         nb.has_capacity = msg.has_capacity
         if nb.set_advert(msg.targets, msg.costs_s):
-            st.fresh_adverts.add(sender)
             st.costs_dirty = True
         st.dirty = True
 
