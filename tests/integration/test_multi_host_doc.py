@@ -306,19 +306,12 @@ def test_the_multi_host_doc_on_loopback_addresses(tmp_path: Path) -> None:
         for m in survivors:  # OUT/nodes/<name>/stdout.log has what the terminal showed
             assert any("training finished (" in line for line in m.log()), m.name
 
-        # every data holder's own folder holds the final version of every stage (issue 44), or
-        # it said which relay stage's copy did not arrive in time (`copies_missing`; about 1 run in
-        # 10 under load loses one relay's final copy: open, see the stop note of 2026-12-07)
-        lacking: dict[str, set[int]] = {}
+        # every data holder's own folder holds the final version of every stage (issue 44)
         for m in machines[:2]:
             over = [r for r in m.records() if r.get("event") == "training_over"]
-            assert len(over) == 1, (m.name, over)
-            lacking[m.name] = {k for k in range(3) if ITERATIONS not in checkpoints.versions(m.dir / m.out / "checkpoints", k)}
-            assert 0 not in lacking[m.name] and lacking[m.name] == set(over[0]["copies_missing"]), (m.name, over)
-            if not lacking[m.name]:
-                assert newest_complete(m.dir / m.out / "checkpoints", 3) == ITERATIONS, m.name
+            assert len(over) == 1 and over[0]["copies_missing"] == [], (m.name, over)
+            assert newest_complete(m.dir / m.out / "checkpoints", 3) == ITERATIONS, m.name
         # Resuming the finished swarm (the doc's resume command of the first node): one line, exit 0
-        # (exit 2 naming the stages when a final copy is missing: it never waits for good)
         resumed = subprocess.run(
             _gwtf("node", "--listen", a.listen, "--role", "data-holder", "--name", "dh0", "--out", a.out,
                   "--config", "swarm.toml", "--secret-file", "swarm.secret", "--resume", "--device", "cpu",
@@ -326,10 +319,7 @@ def test_the_multi_host_doc_on_loopback_addresses(tmp_path: Path) -> None:
             cwd=a.dir, env=env, capture_output=True, text=True, timeout=60, start_new_session=True,
         )
         said = (resumed.stdout + resumed.stderr).splitlines()
-        if lacking["dh0"]:
-            assert resumed.returncode == 2 and len(said) == 1, said
-        else:
-            assert resumed.returncode == 0 and len(said) == 1 and "the run is finished" in said[0], said
+        assert resumed.returncode == 0 and len(said) == 1 and "the run is finished" in said[0], said
         first = _audit(machines, tmp_path / "gathered-run", set_flags, env)
         assert (first["first"], first["set_aside"], first["notes"]) == (0, 0, []), first
 

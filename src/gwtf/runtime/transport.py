@@ -360,6 +360,19 @@ class _Connection(asyncio.BufferedProtocol):
         if self._transport is not None:
             self._transport.abort()
 
+    def finish(self) -> None:
+        """Close gracefully: what is buffered still goes out, then our end of the stream; the
+        peer closes its side once it has read all of it (`eof_received`), and `closed` resolves.
+        (`abort` drops the write buffer: a frame `send` had already handed over, a relay's last
+        checkpoint copy, was lost.) A connection not authenticated yet has nothing to deliver."""
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        if not self.authenticated or not t.can_write_eof():
+            self.abort()
+            return
+        t.write_eof()
+
 
 class Transport:
     """Listens for peers, sends frames to peers, hands inbound frames to `on_frame`.
@@ -558,7 +571,12 @@ class Transport:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         conns = list(self._conns_all)
         for conn in conns:
-            conn.abort()
+            conn.finish()  # buffered frames go out first; the peers close their sides
+        if conns:
+            await asyncio.wait([c.closed for c in conns], timeout=self.cfg.connect_timeout_s)
+        for conn in conns:
+            if not conn.closed.done():
+                conn.abort()  # a peer that never closed its side (gone, or not reading)
         if conns:
             await asyncio.wait([c.closed for c in conns], timeout=self.cfg.connect_timeout_s)
         if self._server is not None:
