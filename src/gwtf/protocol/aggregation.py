@@ -421,9 +421,24 @@ class Aggregation:
             return self._over(now)
         size = max(node.train.stage_state_bytes)
         wait_s = max(node.members.join_deadline_s(), STATE_DEADLINE_FACTOR * max(
-            (node.ack_deadline_s(p, size) for p, i in node.directory.items() if i.stage >= 1), default=0.0))
+            (node.ack_deadline_s(p, size) for p in self._copy_senders(owed)), default=0.0))
         return [record(RecordName.FINAL_COPIES_WAIT, node=node.me.id, version=version, stages=tuple(sorted(owed)),
                        wait_s=round(wait_s, 3)), node.timer(("ending", 0), wait_s, now)]
+
+    def _copy_senders(self, stages: set[int]) -> list[NodeId]:
+        """The replicas this data holder's copies of relay `stages` come from, as far as its
+        directory knows them: `_replicate_checkpoint` deals the sorted data holders round-robin
+        over each stage's sorted replicas. (One pass over the directory: the deadline of every
+        relay, at 1,000 data holders x 9,000 relays, was a sixth of a 10,000-node simulation.)"""
+        node = self.node
+        by_stage: dict[int, list[NodeId]] = {k: [] for k in stages}
+        for pid, info in node.directory.items():
+            replicas = by_stage.get(info.stage)
+            if replicas is not None:
+                replicas.append(pid)
+        holders = sorted(node.data_holders())
+        j = holders.index(node.me.id) if node.me.id in holders else 0
+        return [sorted(ps)[j % len(ps)] for ps in by_stage.values() if ps]
 
     def _over(self, now: float, missing: tuple[int, ...] = ()) -> list[Effect]:
         assert self.ending is not None
