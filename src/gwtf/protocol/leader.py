@@ -18,7 +18,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from gwtf.protocol import messages as msgs
-from gwtf.protocol.aggregation import Contrib, digest, plan_redo, tree_children
+from gwtf.protocol.aggregation import Contrib, Plan, digest, plan_redo, tree_children
 from gwtf.protocol.base import Message, NodeId, log
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
@@ -94,6 +94,9 @@ class LeaderState:
     # if the round breaks after all, their microbatches are lost like any dead data holder's
     standing: dict[NodeId, int] = field(default_factory=dict)
     dealt: dict[NodeId, list[tuple[int, int]]] = field(default_factory=dict)  # data holder -> (shard, index) dealt again
+    # the last `plan_redo` inputs and result: while redo chains are out, most Reports change no
+    # contribution, and the pure planner's answer to the same inputs is the same
+    last_plan: tuple[dict[NodeId, tuple[int, frozenset[Contrib]]], dict[NodeId, tuple[int, ...]], Plan] | None = None
 
 
 class Coordinator:
@@ -325,7 +328,12 @@ class Coordinator:
         if len(self.lead.reports) < len(self.node.directory) or not self.node.directory.keys() <= self.lead.reports.keys():
             return []
         contrib = {p: (r.stage, frozenset(r.contributed)) for p, r in self.lead.reports.items() if p in self.node.directory}
-        plan = plan_redo(self.node.S, self.lead.expected, contrib, void=self.node.cfg.hold_batch)
+        last = self.lead.last_plan
+        if last is not None and last[0] == contrib and last[1] == self.lead.expected:
+            plan = last[2]
+        else:
+            plan = plan_redo(self.node.S, self.lead.expected, contrib, void=self.node.cfg.hold_batch)
+            self.lead.last_plan = (contrib, dict(self.lead.expected), plan)
         out: list[Effect] = []
         for victim in plan.resets:
             self.lead.reports.pop(victim, None)
