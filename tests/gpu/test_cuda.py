@@ -42,7 +42,7 @@ def _config(tmp_path: Path, family: str = "gpt", precision: str = "fp32", device
 
 def _setup(tmp_path: Path, family: str) -> tuple[Config, TokenDataset, ModelSpec]:
     cfg = _config(tmp_path, family)
-    ds = load_dataset(cfg.data, cfg.model, 0, 2, say=lambda _: None)
+    ds = load_dataset(cfg.data, cfg.model, 0, 2, microbatches=cfg.train.microbatches, say=lambda _: None)
     return cfg, ds, model_spec(cfg.model, ds.vocab_size)
 
 

@@ -54,7 +54,7 @@ def test_jsonl_records_become_documents(tmp_path: Path) -> None:
     prepared = prepare_corpus(_cfg(tmp_path, src), **QUIET)
     assert prepared.tokens().tolist() == _byte_tokens(texts)
     assert prepared.manifest["records"] == 300 and prepared.manifest["malformed"] == {}
-    ds = load_dataset(_cfg(tmp_path, src), SMALL, 0, 2, **QUIET)
+    ds = load_dataset(_cfg(tmp_path, src), SMALL, 0, 2, microbatches=4, **QUIET)
     assert isinstance(ds.train, np.memmap)  # training reads the prepared file through a memory map
     assert np.concatenate([ds.train, ds.val]).tolist() == _byte_tokens(texts)
 

@@ -113,7 +113,7 @@ def test_folder_source_reads_sorted_txt_files(tmp_path: Path) -> None:
 
 def _synthetic_ds(tmp_path: Path, holders: int = 3, seed: int = 7, tokenizer: str = "byte"):  # type: ignore[no-untyped-def]
     cfg = DataConfig(source="synthetic", cache_dir=str(tmp_path), synthetic_bytes=30_000, tokenizer=tokenizer)  # type: ignore[arg-type]
-    return load_dataset(cfg, SMALL, seed, holders, say=lambda _: None)
+    return load_dataset(cfg, SMALL, seed, holders, microbatches=4, say=lambda _: None)
 
 
 def test_shards_are_disjoint_and_windows_stay_inside_them(tmp_path: Path) -> None:
@@ -158,7 +158,7 @@ def test_unigram_entropy_matches_direct_count(tmp_path: Path) -> None:
     path = tmp_path / "tiny.txt"
     path.write_text("aab" * 4000)
     cfg = DataConfig(source=str(path), cache_dir=str(tmp_path), tokenizer="byte", val_fraction=0.0)
-    ds = load_dataset(cfg, SMALL, 0, 1)
+    ds = load_dataset(cfg, SMALL, 0, 1, microbatches=4)
     counts = Counter(ds.train.tolist())
     n = sum(counts.values())
     expected = -sum(c / n * math.log(c / n) for c in counts.values())
@@ -172,4 +172,4 @@ def test_too_little_data_for_the_holders_is_a_user_error(tmp_path: Path) -> None
     path.write_text("x" * 100)
     cfg = DataConfig(source=str(path), cache_dir=str(tmp_path), tokenizer="byte")
     with pytest.raises(UserError, match="data too small"):
-        load_dataset(cfg, SMALL, 0, 8)
+        load_dataset(cfg, SMALL, 0, 8, microbatches=4)

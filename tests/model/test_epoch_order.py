@@ -25,7 +25,7 @@ RANDOM_ORDER_SHA = "c3bf1c1029b8acbcb980ccb1dcc4e9425d0f12b55bdfd79ac6c3c571b337
 def _ds(tmp_path: Path, order: str = "epoch", seed: int = 7, holders: int = 3) -> TokenDataset:
     cfg = DataConfig(source="synthetic", cache_dir=str(tmp_path), synthetic_bytes=30_000, tokenizer="byte",
                      order=order)  # type: ignore[arg-type]
-    return load_dataset(cfg, SMALL, seed, holders, say=lambda _: None).with_microbatches(M)
+    return load_dataset(cfg, SMALL, seed, holders, microbatches=M, say=lambda _: None)
 
 
 def _rows(ds: TokenDataset, d: int, iterations: range) -> list[int]:
@@ -76,7 +76,7 @@ def test_a_resumed_run_trains_the_windows_of_an_unbroken_one(tmp_path: Path) -> 
 def test_epoch_order_needs_the_microbatch_count(tmp_path: Path) -> None:
     cfg = DataConfig(source="synthetic", cache_dir=str(tmp_path), synthetic_bytes=30_000, tokenizer="byte",
                      order="epoch")
-    ds = load_dataset(cfg, SMALL, 7, 3, say=lambda _: None)
+    ds = load_dataset(cfg, SMALL, 7, 3, microbatches=0, say=lambda _: None)
     with pytest.raises(ValueError, match="microbatches"):
         ds.microbatch(0, 0, 0)
     with pytest.raises(ValueError, match="not in 0..2"):

@@ -275,7 +275,8 @@ def test_the_tensor_simulator_starts_from_an_import(hf: dict[str, Path], importe
                               f'data.cache_dir="{tmp_path / "cache"}"'])
     cfg = config_for(sc, base)
     assert (cfg.model.preset, cfg.model.d_model, cfg.model.n_layer, cfg.model.stages) == ("custom", 32, 2, 2)
-    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders, say=lambda _: None)
+    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders, microbatches=cfg.train.microbatches,
+                      say=lambda _: None)
     assert ds.vocab_size <= VOCAB  # the import's own tokenizer, not a BPE trained here
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -46,7 +46,7 @@ def _train(cfg: Config, ds: TokenDataset) -> tuple[list[float], list[torch.nn.Mo
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights(tmp_path: Path, family: str) -> None:
     cfg32 = _config(tmp_path, "fp32", family)
-    ds = load_dataset(cfg32.data, cfg32.model, 0, 2, say=lambda _: None)
+    ds = load_dataset(cfg32.data, cfg32.model, 0, 2, microbatches=cfg32.train.microbatches, say=lambda _: None)
     fp32, _, _ = _train(cfg32, ds)
     bf16, stages, opts = _train(_config(tmp_path, "bf16-autocast", family), ds)
     assert all(math.isfinite(x) for x in bf16)
@@ -63,7 +63,7 @@ def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights(tmp_path: P
 
 def test_bf16_gradients_point_where_fp32_ones_do(tmp_path: Path) -> None:
     cfg = _config(tmp_path, "fp32")
-    ds = load_dataset(cfg.data, cfg.model, 0, 2, say=lambda _: None)
+    ds = load_dataset(cfg.data, cfg.model, 0, 2, microbatches=cfg.train.microbatches, say=lambda _: None)
     spec = model_spec(cfg.model, ds.vocab_size)
     x, y = ds.microbatch(0, 0, 0)
     grads = {}
@@ -80,7 +80,7 @@ def test_bf16_gradients_point_where_fp32_ones_do(tmp_path: Path) -> None:
 def test_fp32_is_the_plain_code_path(tmp_path: Path) -> None:
     """precision = "fp32" computes exactly what the stages compute without any autocast context."""
     cfg = _config(tmp_path, "fp32")
-    ds = load_dataset(cfg.data, cfg.model, 0, 2, say=lambda _: None)
+    ds = load_dataset(cfg.data, cfg.model, 0, 2, microbatches=cfg.train.microbatches, say=lambda _: None)
     spec = model_spec(cfg.model, ds.vocab_size)
     x, y = ds.microbatch(1, 0, 1)
     stages = [build_stage(spec, k, 3, seed=0) for k in range(3)]
@@ -93,7 +93,7 @@ def test_fp32_is_the_plain_code_path(tmp_path: Path) -> None:
 
 def test_the_wire_carries_float32_whatever_the_precision(tmp_path: Path) -> None:
     cfg = _config(tmp_path, "bf16-autocast")
-    ds = load_dataset(cfg.data, cfg.model, 0, 2, say=lambda _: None)
+    ds = load_dataset(cfg.data, cfg.model, 0, 2, microbatches=cfg.train.microbatches, say=lambda _: None)
     spec = model_spec(cfg.model, ds.vocab_size)
     holder = StageWorker(cfg, spec, 0, dataset=ds, shard=0)
     relay = StageWorker(cfg, spec, 1)

@@ -73,7 +73,7 @@ def test_clip_bounds_the_stage_norm() -> None:
 def test_one_iteration_equals_monolithic_gradient_accumulation(tmp_path: Path) -> None:
     """DESIGN.md section 3: staged D*M microbatches == one process, one model, mean loss, same AdamW."""
     cfg = tiny_config(tmp_path, grad_clip=0.0, warmup_iterations=0)
-    ds = load_dataset(cfg.data, cfg.model, 0, 2, say=lambda _: None)
+    ds = load_dataset(cfg.data, cfg.model, 0, 2, microbatches=cfg.train.microbatches, say=lambda _: None)
     spec = model_spec(cfg.model, ds.vocab_size)
     stages = [build_stage(spec, k, 3, seed=0) for k in range(3)]
     stage_opts = [StageOptimizer(s, cfg.train) for s in stages]

@@ -81,7 +81,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     sc = load_scenario(None, SCENARIO)
     base: Config = load_config(None, ['data.source="synthetic"', 'data.tokenizer="byte"', f'data.cache_dir="{cache}"'])
     cfg = config_for(sc, base)
-    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders)
+    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders, microbatches=cfg.train.microbatches)
     built = build(sc, INSTANCE_SEED)
     ref, losses = reference_stages(cfg, ds, K)
     no_churn = run_with_tensors(sc, 0, cfg, ds, built=built)

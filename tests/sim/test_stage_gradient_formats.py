@@ -40,7 +40,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, obj
     cfg0 = load_config(None, ['data.source="synthetic"', 'data.tokenizer="byte"', f'data.cache_dir="{cache}"'])
     sc = load_scenario(None, SCENARIO)
     cfg = config_for(sc, cfg0)
-    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders)
+    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders, microbatches=cfg.train.microbatches)
     _, losses = reference_stages(cfg, ds, K)
     yield cfg0, ds, losses
     torch.set_num_threads(threads)

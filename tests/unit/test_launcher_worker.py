@@ -32,7 +32,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Config, To
         'data.source="synthetic"', 'data.tokenizer="byte"', f'data.cache_dir="{cache}"', "model.seq_len=16",
         "model.microbatch_size=2", "train.microbatches=2", "train.data_holders=2", "model.stages=3",
     ])
-    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders)
+    ds = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders, microbatches=cfg.train.microbatches)
     yield cfg, ds, model_spec(cfg.model, ds.vocab_size)
 
 

@@ -87,7 +87,7 @@ def test_rows_carry_lr_grad_norms_reroutes_and_val_loss(tmp_path: Path) -> None:
 def test_validation_of_a_checkpoint_equals_the_local_trainers(tmp_path: Path) -> None:
     cfg = load_config(str(CONFIG), [])
     cfg = replace(cfg, train=replace(cfg.train, eval_microbatches=3))
-    dataset = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders)
+    dataset = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders, microbatches=cfg.train.microbatches)
     spec = model_spec(cfg.model, dataset.vocab_size)
     stages = [build_stage(spec, k, cfg.model.stages, seed=7) for k in range(cfg.model.stages)]  # not the initial weights
     ckpt = tmp_path / checkpoints.CHECKPOINTS_DIR

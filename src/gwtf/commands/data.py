@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             prepared = prepare_corpus(data, progress=progress)
         if prepared.reused:  # a fresh prepare has said what it made (and what it skipped) already
             print(_describe(prepared.manifest, str(prepared.folder)))
-    ds = load_dataset(data, cfg.model, cfg.train.seed, cfg.train.data_holders)
+    ds = load_dataset(data, cfg.model, cfg.train.seed, cfg.train.data_holders, microbatches=cfg.train.microbatches)
     print(
         f"data {ds.name}: {len(ds.train)} train + {len(ds.val)} val tokens, vocab {ds.vocab_size} "
         f"({data.tokenizer}), unigram entropy {ds.unigram_entropy_nats():.4f} nats "

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
         device = resolve_device(cfg.train.device, "--device" if args.device else "train.device =")
         data = resolve_source(cfg.data)
-        dataset = load_dataset(data, cfg.model, cfg.train.seed, 1)
+        dataset = load_dataset(data, cfg.model, cfg.train.seed, 1, microbatches=cfg.train.microbatches)
         batches = dataset.val_microbatches(cfg.train.eval_microbatches)
         if not batches:
             raise UserError(f"no held-out windows to evaluate: {len(dataset.val)} validation tokens of {dataset.name} "

@@ -373,10 +373,6 @@ class TokenDataset:
     def windows_per_chunk(self) -> int:
         return self.chunk_tokens // (self.seq_len + 1)
 
-    def with_microbatches(self, microbatches: int) -> TokenDataset:
-        """This dataset knowing M = train.microbatches (what order "epoch" numbers rows by)."""
-        return dataclasses.replace(self, microbatches=microbatches)
-
     def shard_windows(self, data_holder: int) -> int:
         """How many windows `data_holder` visits per epoch (order "epoch")."""
         return len(self.shards[data_holder]) * self.windows_per_chunk
@@ -401,7 +397,7 @@ class TokenDataset:
     def epoch_position(self, iteration: int, index: int) -> int:
         """Order "epoch": the shard-stream position of row 0 of microbatch (iteration, index)."""
         if self.microbatches < 1:
-            raise ValueError('data.order = "epoch" needs TokenDataset.with_microbatches(train.microbatches)')
+            raise ValueError('data.order = "epoch" needs load_dataset(..., microbatches=train.microbatches) >= 1')
         if not 0 <= index < self.microbatches:
             raise ValueError(f"microbatch index {index} not in 0..{self.microbatches - 1}")
         return (iteration * self.microbatches + index) * self.microbatch_size
@@ -515,11 +511,13 @@ def _tokens_of(data_cfg: DataConfig, say: Say) -> tuple[str, Tokenizer, np.ndarr
 
 
 def load_dataset(
-    data_cfg: DataConfig, model_cfg: ModelConfig, seed: int, data_holders: int, say: Say = _say_stderr
+    data_cfg: DataConfig, model_cfg: ModelConfig, seed: int, data_holders: int, *, microbatches: int,
+    say: Say = _say_stderr,
 ) -> TokenDataset:
     """Corpus -> tokenizer -> cached (path corpus: prepared, memory-mapped) tokens -> split +
-    shards, ready for `microbatch(d, t, m)`. data.order = "epoch" also needs the number of
-    microbatches per data holder per iteration: `load_dataset(...).with_microbatches(M)`."""
+    shards, ready for `microbatch(d, t, m)`. `microbatches`: M = train.microbatches, per data
+    holder per iteration (data.order = "epoch" numbers rows by it). Required, not defaulted: a
+    caller that left it out crashed only under order "epoch" (`gwtf train --local` did)."""
     name, tok, tokens, counts = _tokens_of(data_cfg, say)
     train, val, chunk_tokens, shards = _split_and_shard(
         tokens, data_cfg.val_fraction, model_cfg.seq_len, seed, data_holders
@@ -527,5 +525,5 @@ def load_dataset(
     return TokenDataset(
         name=name, tokenizer=tok, train=train, val=val, seed=seed, seq_len=model_cfg.seq_len,
         microbatch_size=model_cfg.microbatch_size, chunk_tokens=chunk_tokens, shards=shards,
-        order=data_cfg.order, token_counts=counts,
+        order=data_cfg.order, microbatches=microbatches, token_counts=counts,
     )

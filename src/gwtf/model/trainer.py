@@ -419,7 +419,7 @@ def train_local(
     cfg = dataclasses.replace(cfg, data=resolve_source(cfg.data, **kwargs))  # the resolved config records it
     tc = cfg.train
     ckpt = _open_checkpoint(out, cfg) if resume else None
-    dataset = load_dataset(cfg.data, cfg.model, tc.seed, tc.data_holders, **kwargs).with_microbatches(tc.microbatches)
+    dataset = load_dataset(cfg.data, cfg.model, tc.seed, tc.data_holders, microbatches=tc.microbatches, **kwargs)
     spec = model_spec(cfg.model, dataset.vocab_size)
     stages = [build_stage(spec, k, cfg.model.stages, tc.seed, device=device) for k in range(cfg.model.stages)]
     optimizers = [StageOptimizer(s, tc) for s in stages]

@@ -164,8 +164,8 @@ class Host:
         device = resolve_device(ident.device)
         dataset = None
         if ident.role == "data-holder":
-            dataset = load_dataset(cfg.data, cfg.model, cfg.train.seed,
-                                   cfg.train.data_holders).with_microbatches(cfg.train.microbatches)
+            dataset = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders,
+                                   microbatches=cfg.train.microbatches)
             vocab = dataset.vocab_size
         else:
             vocab = vocab_size_of(cfg)
@@ -526,8 +526,8 @@ class Host:
         shard = self.ident.shard
         if stage == 0:
             if self.dataset is None:
-                self.dataset = load_dataset(self.cfg.data, self.cfg.model, self.cfg.train.seed, self.cfg.train.data_holders
-                                            ).with_microbatches(self.cfg.train.microbatches)
+                self.dataset = load_dataset(self.cfg.data, self.cfg.model, self.cfg.train.seed, self.cfg.train.data_holders,
+                                            microbatches=self.cfg.train.microbatches)
             if self.core.me.shard >= 0:
                 shard = self.core.me.shard
         w = StageWorker(self.cfg, self.spec, stage, device=self.device, dataset=self.dataset, shard=shard)

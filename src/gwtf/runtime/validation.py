@@ -49,7 +49,8 @@ class CheckpointValidation:
             torch.set_num_threads(1)
             cfg = self.cfg
             kwargs = {"say": self.say} if self.say is not None else {}
-            dataset = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders, **kwargs)
+            dataset = load_dataset(cfg.data, cfg.model, cfg.train.seed, cfg.train.data_holders,
+                                   microbatches=cfg.train.microbatches, **kwargs)
             self._batches = dataset.val_microbatches(cfg.train.eval_microbatches)
             spec = model_spec(cfg.model, dataset.vocab_size)
             self._stages = [build_stage(spec, k, cfg.model.stages, cfg.train.seed)
