@@ -131,9 +131,15 @@ class TrainConfig:
     # boundary as the [wire] formats do (gwtf.model.wire.roundtrip), so the local trainer takes
     # the steps of a swarm with those wire formats; false = exact fp32 boundaries
     local_rounding: bool = False
+    # 0: every iteration's passes run on the weights its predecessor stepped to (synchronous);
+    # 1: iteration t+1's passes start while iteration t's within-stage reduction is under way, on
+    # weights one step older (each stage applies step t after exporting t+1's gradient): the
+    # reduction overlaps the next passes (docs/protocol.md, "Overlapped aggregation")
+    update_delay: int = 0
 
     def __post_init__(self) -> None:
         _require(self.seed >= 0, "train.seed", "must be >= 0")
+        _require(self.update_delay in (0, 1), "train.update_delay", "must be 0 or 1")
         _require(self.data_holders >= 1, "train.data_holders", "must be >= 1")
         _require(self.microbatches >= 1, "train.microbatches", "must be >= 1")
         _require(self.iterations >= 0, "train.iterations", "must be >= 0")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,12 +40,12 @@ from gwtf.model.data import TokenDataset
 from gwtf.model.presets import model_spec
 from gwtf.model.pretrained import resolve_init
 from gwtf.model.stage import build_stage
-from gwtf.model.trainer import StageOptimizer, train_iteration
+from gwtf.model.trainer import StageGrads, StageOptimizer, apply_steps, iteration_grads
 from gwtf.protocol.base import Message
 from gwtf.protocol.faults import Fault
 from gwtf.protocol.kinds import ComputeKind, RecordName
 from gwtf.protocol.ledger import TrainParams
-from gwtf.protocol.messages import Compute, Effect, FreeIteration
+from gwtf.protocol.messages import Compute, Effect, FreeIteration, Record
 from gwtf.protocol.router import PeerInfo
 from gwtf.protocol.systems import get_system
 from gwtf.runtime.drive import Host
@@ -80,6 +80,8 @@ class TensorRun:
     crashed: list[str] = field(default_factory=list)  # nodes crashed, in order
     crash_points: list[str] = field(default_factory=list)  # "node:kind#n" of compute-triggered faults that fired
     contract_violations: list[str] = field(default_factory=list)
+    # versions the leader restarted at with the weights held (`rollback` records; train.update_delay 1)
+    restarts: list[int] = field(default_factory=list)
 
 
 def config_for(sc: ScenarioConfig, base: Config) -> Config:
@@ -96,7 +98,8 @@ def config_for(sc: ScenarioConfig, base: Config) -> Config:
         model = replace(base.model, family=m.family, preset=m.preset, seq_len=m.seq_len,
                         microbatch_size=m.microbatch_size, stages=m.stages)
     train = replace(base.train, data_holders=sc.nodes.data_holders,
-                    microbatches=sc.nodes.demand_per_dh or sc.train.microbatches, iterations=sc.train.iterations)
+                    microbatches=sc.nodes.demand_per_dh or sc.train.microbatches, iterations=sc.train.iterations,
+                    update_delay=sc.train.update_delay)
     return replace(base, model=model, train=train, protocol=sc.protocol, wire=sc.wire)
 
 
@@ -181,6 +184,13 @@ class TensorSimulator(Simulator):
                     host.free_iteration(e)
         super()._apply(node, effects)  # compute-triggered faults: the base driver's FaultWatch
 
+    def _record(self, node: str, rec: Record, now: float) -> None:
+        if rec.event == RecordName.ROLLBACK:
+            f = dict(rec.fields)
+            if f.get("restart"):
+                self.result.restarts.append(int(f["version"]))
+        super()._record(node, rec, now)
+
     def _compute_done(self, node: str, job: Compute, dur_s: float) -> None:
         host = self.hosts.get(node)
         if host is not None and node in self.cores:
@@ -262,13 +272,34 @@ def relay_crash_schedule(rng: random.Random, by_stage: Sequence[Sequence[str]], 
 
 
 def reference_stages(cfg: Config, dataset: TokenDataset, iterations: int,
-                     dtype: torch.dtype = torch.float64) -> tuple[list[StageWeights], list[float]]:
-    """`gwtf train --local` semantics (train_iteration) for `iterations`: stage weights, losses."""
+                     dtype: torch.dtype = torch.float64,
+                     restarts: Collection[int] = ()) -> tuple[list[StageWeights], list[float]]:
+    """`gwtf train --local` semantics (train_iteration) for `iterations`: stage weights, losses.
+    With `train.update_delay` 1, its delayed steps; `restarts`: versions v at which the swarm
+    restarted with the weights held (`Coordinator._restart`): the pending step is applied before
+    iteration v, which then runs on the weights it makes (the gradient of the iteration given
+    up is not used)."""
+    delay = cfg.train.update_delay
     with default_dtype(dtype):
         spec = model_spec(cfg.model, dataset.vocab_size)
         stages = [build_stage(spec, k, cfg.model.stages, cfg.train.seed) for k in range(cfg.model.stages)]
         opts = [StageOptimizer(s, cfg.train) for s in stages]
-        losses = [train_iteration(stages, opts, dataset, t, cfg.train).loss for t in range(iterations)]
+        losses: list[float] = []
+        pending: StageGrads | None = None
+        for t in range(iterations):
+            if pending is not None and t in restarts:
+                apply_steps(opts, t - 1, pending)
+                pending = None
+            stats, grads = iteration_grads(stages, opts, dataset, t, cfg.train)
+            losses.append(stats.loss)
+            if not delay:
+                apply_steps(opts, t, grads)
+                continue
+            if pending is not None:
+                apply_steps(opts, t - 1, pending)
+            pending = grads
+        if pending is not None:
+            apply_steps(opts, iterations - 1, pending)
     return [{k: v.detach().clone() for k, v in s.state_dict().items()} for s in stages], losses
 
 

@@ -50,14 +50,37 @@ def _compare(make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, i
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("reduce", ["gather", "butterfly"])
+@pytest.mark.parametrize(("reduce", "delay"), [("gather", 0), ("butterfly", 0), ("gather", 1), ("butterfly", 1)])
 def test_two_data_holders_two_relays_match_local_trainer(
-    make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]], tmp_path: Path, reduce: str
+    make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]], tmp_path: Path, reduce: str, delay: int
 ) -> None:
     """4 processes: data holders dh0, dh1 (stage 0) and relays r1a, r1b (stage 1 of 2); the
-    replicas reduce by gather or by the butterfly all-reduce (`protocol.reduce`)."""
-    _compare(make_swarm, finish, ("model.stages=2", "train.iterations=6", f'protocol.reduce="{reduce}"'),
-             tmp_path, rtol=1e-5, timeout_s=90)
+    replicas reduce by gather or by the butterfly all-reduce (`protocol.reduce`); with
+    `train.update_delay` 1 both the swarm and the local trainer take each step one iteration
+    late (the reduction overlaps the next passes)."""
+    _compare(make_swarm, finish, ("model.stages=2", "train.iterations=6", f'protocol.reduce="{reduce}"',
+                                  f"train.update_delay={delay}"), tmp_path, rtol=1e-5, timeout_s=90)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_relay_killed_while_its_overlapped_round_reduces_keeps_exactly_once(
+    make_swarm: Callable[..., Swarm], finish: Callable[..., dict[str, int]]
+) -> None:
+    """`train.update_delay` 1, butterfly: kill -9 of relay r1a as it applies the step of
+    iteration 2, which comes with iteration 3's Commit, while iteration 3's round reduces beside
+    iteration 4's passes. The round is broken after its replicas stepped past it: the leader
+    restarts iteration 3 with the weights held (`rollback` with `restart`), the survivors finish
+    the run, and the audit finds every committed microbatch counted once at every stage."""
+    swarm = make_swarm(("model.stages=2", "train.iterations=7", 'protocol.reduce="butterfly"', "train.update_delay=1"),
+                       faults={"r1a": "crash:compute=step:iter=2"})
+    swarm.start()
+    finish(swarm, 7, 120)
+    swarm.close()
+    rows = [r for recs in swarm.metrics.records.values() for r in recs]
+    assert any(r.get("event") == "fault" for r in swarm.metrics.records["r1a"]), "the fault never fired"
+    restarts = [r for r in rows if r.get("event") == "rollback" and r.get("restart")]
+    assert restarts and restarts[0]["version"] == 3, restarts
 
 
 @pytest.mark.integration

@@ -15,14 +15,17 @@ SEEDS = 200
 CHUNK = 10
 
 
+@pytest.mark.parametrize("delay", [0, 1])
 @pytest.mark.parametrize("reduce", ["gather", "butterfly"])
 @pytest.mark.parametrize("first", range(0, SEEDS, CHUNK))
-def test_random_fault_schedules_keep_every_invariant(first: int, reduce: str) -> None:
+def test_random_fault_schedules_keep_every_invariant(first: int, reduce: str, delay: int) -> None:
     """Both reductions on the same schedules (the butterfly's failures differ: every replica
-    owns a part, so any replica's death breaks a round that gather's reducer would keep)."""
+    owns a part, so any replica's death breaks a round that gather's reducer would keep), and
+    `train.update_delay` 1 (a crash during an overlapped round restarts its iteration)."""
     failures = []
     for seed in range(first, first + CHUNK):
-        summary, _ = run_scenario(load_scenario(None, random_schedule(seed) + [f'protocol.reduce="{reduce}"']), seed)
+        extra = [f'protocol.reduce="{reduce}"', f"train.update_delay={delay}"]
+        summary, _ = run_scenario(load_scenario(None, random_schedule(seed) + extra), seed)
         if summary["invariant_violations"]:
             failures.append((seed, summary["violations"][:3]))
     assert not failures, failures

@@ -24,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,9 @@ class StageGradRounding:
         return out
 
 
+StageGrads = list[list[Tensor]]  # per stage: the reduced gradient every replica steps with
+
+
 def train_iteration(
     stages: Sequence[nn.Module], optimizers: Sequence[StageOptimizer], dataset: TokenDataset,
     iteration: int, cfg: TrainConfig, wire: WireConfig | None = None,
@@ -225,6 +228,29 @@ def train_iteration(
     """One synchronous iteration (DESIGN.md section 3) in one process; `wire`: round the stage
     boundaries as those wire formats do (`train.local_rounding`), None: exact; `grad_rounding`:
     round the stage gradients as `wire.stage_gradients` does (None: exact)."""
+    stats, grads = iteration_grads(stages, optimizers, dataset, iteration, cfg, wire, grad_rounding)
+    norms = apply_steps(optimizers, iteration, grads)
+    return replace(stats, grad_norms=norms)
+
+
+def apply_steps(optimizers: Sequence[StageOptimizer], iteration: int, grads: StageGrads) -> list[float]:
+    """Every stage's step of `iteration` with its reduced gradient; the pre-clip norms."""
+    return [opt.step(iteration, g) for opt, g in zip(optimizers, grads, strict=True)]
+
+
+def grad_norm(grads: Sequence[Tensor]) -> float:
+    """The joint L2 norm of `grads` (what `clip_grads_by_norm` returns, without clipping)."""
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+
+def iteration_grads(
+    stages: Sequence[nn.Module], optimizers: Sequence[StageOptimizer], dataset: TokenDataset,
+    iteration: int, cfg: TrainConfig, wire: WireConfig | None = None,
+    grad_rounding: StageGradRounding | None = None,
+) -> tuple[IterationStats, StageGrads]:
+    """The passes of one iteration and each stage's reduced gradient, no step taken (the
+    accumulated gradients are left zeroed); the stats' `grad_norms` are those gradients' norms
+    before clipping (what the step will report)."""
     formats = None if wire is None else (wire.activations, wire.gradients, wire.block_values)
     d_count, m_count = cfg.data_holders, cfg.microbatches
     planned = d_count * m_count
@@ -246,14 +272,17 @@ def train_iteration(
     if gr is not None:
         stage0_grads = [gr.round(0, d, g) for d, g in enumerate(stage0_grads)]
     mean0 = aggregate_stage_grads(stage0_grads, [m_count] * d_count, planned)
-    norms = [optimizers[0].step(iteration, mean0 if gr is None else gr.round(0, -1, mean0))]
+    grads: StageGrads = [mean0 if gr is None else gr.round(0, -1, mean0)]
     for k, opt in enumerate(optimizers[1:], start=1):
-        mine = opt.current_grads() if gr is None else gr.round(k, 0, opt.current_grads())
+        mine = [g.clone() for g in opt.current_grads()]
+        opt.optimizer.zero_grad(set_to_none=True)
+        if gr is not None:
+            mine = gr.round(k, 0, mine)
         relay = aggregate_stage_grads([mine], [planned], planned)
-        norms.append(opt.step(iteration, relay if gr is None else gr.round(k, -1, relay)))
-    return IterationStats(
-        loss=sum(losses) / len(losses), tokens=tokens, grad_norms=norms, lr=lr_at(iteration, cfg)
-    )
+        grads.append(relay if gr is None else gr.round(k, -1, relay))
+    stats = IterationStats(loss=sum(losses) / len(losses), tokens=tokens, grad_norms=[grad_norm(g) for g in grads],
+                           lr=lr_at(iteration, cfg))
+    return stats, grads
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -338,12 +367,15 @@ def _read_metrics(path: Path, before: int) -> list[dict[str, Any]]:
 
 def _save(
     out_dir: Path, completed: int, stages: Sequence[nn.Module], optimizers: Sequence[StageOptimizer],
-    cfg: Config, elapsed_s: float, metrics: list[dict[str, Any]],
+    cfg: Config, elapsed_s: float, metrics: list[dict[str, Any]], pending: StageGrads | None = None,
 ) -> None:
+    """`pending` (train.update_delay 1): the reduced gradients whose step is still to come,
+    kept as `pending.<n>` tensors so that a resumed run takes the same steps."""
     tensors = [  # .cpu() is the tensor itself on the CPU (no copy)
         {**{f"param.{k}": v.cpu() for k, v in s.state_dict().items()},
-         **{k: v.cpu() for k, v in o.state_tensors().items()}}
-        for s, o in zip(stages, optimizers, strict=True)
+         **{k: v.cpu() for k, v in o.state_tensors().items()},
+         **({f"pending.{n}": g.cpu() for n, g in enumerate(pending[k])} if pending is not None else {})}
+        for k, (s, o) in enumerate(zip(stages, optimizers, strict=True))
     ]
     meta = {"config": to_dict(cfg), "elapsed_s": elapsed_s}
     save_checkpoint(out_dir / "checkpoint", completed, tensors, {"torch_rng": torch.get_rng_state()}, meta)
@@ -375,6 +407,14 @@ def _restore(
         o.load_state_tensors(tensors)
     torch.set_rng_state(ckpt.extra["torch_rng"])
     return ckpt.iteration, float(ckpt.meta.get("elapsed_s", 0.0))
+
+
+def ckpt_pending(ckpt: Checkpoint, device: str) -> StageGrads | None:
+    """The pending step's gradients a checkpoint holds (`_save`), on `device`; None without one."""
+    if not any(k.startswith("pending.") for k in ckpt.stages[0]):
+        return None
+    return [[t[f"pending.{n}"].to(device) for n in range(sum(1 for k in t if k.startswith("pending.")))]
+            for t in ckpt.stages]
 
 
 def _metrics_row(
@@ -436,14 +476,27 @@ def train_local(
     start_loss = evaluate(stages, val_batches, tc.precision) if cfg.model.init_from and start == 0 else None
     t0 = time.monotonic()
     completed, stopped = start, False
+    # update_delay 1: the reduced gradients of the step not applied yet
+    pending: StageGrads | None = ckpt_pending(ckpt, device) if ckpt else None
     with metrics_path.open("a", encoding="utf-8") as sink:
         for t in range(start, tc.iterations):
             t_it = time.monotonic()
-            stats = train_iteration(stages, optimizers, dataset, t, tc, cfg.wire if tc.local_rounding else None,
-                                    rounding)
-            dt = time.monotonic() - t_it
             completed = t + 1
             last = completed == tc.iterations
+            stats, grads = iteration_grads(stages, optimizers, dataset, t, tc, cfg.wire if tc.local_rounding else None,
+                                           rounding)
+            if not tc.update_delay:
+                apply_steps(optimizers, t, grads)
+            else:
+                # train.update_delay 1 (docs/protocol.md): iteration t's passes ran on the weights
+                # of step t-2; step t-1 comes now, step t with the next iteration (or at the end)
+                if pending is not None:
+                    apply_steps(optimizers, t - 1, pending)
+                pending = grads
+                if last:
+                    apply_steps(optimizers, t, pending)
+                    pending = None
+            dt = time.monotonic() - t_it
             row = _metrics_row(t, stats, metrics, elapsed0 + time.monotonic() - t0, dt, device)
             if t == 0 and start_loss is not None:
                 row["val_loss_start"] = start_loss
@@ -461,7 +514,7 @@ def train_local(
             if on_iteration is not None:
                 on_iteration(row)
             if last or stopped or (tc.checkpoint_every and completed % tc.checkpoint_every == 0):
-                _save(out, completed, stages, optimizers, cfg, elapsed0 + time.monotonic() - t0, metrics)
+                _save(out, completed, stages, optimizers, cfg, elapsed0 + time.monotonic() - t0, metrics, pending)
             if stopped:
                 break
     return LocalRunResult(metrics=metrics, completed=completed, stopped_early=stopped, dataset=dataset)

@@ -197,6 +197,8 @@ class Aggregation:
         self.own_exported = NONE  # round whose own gradient export finished
         self.copies: dict[int, int] = {}  # a data holder: relay stage -> newest checkpoint copy stored
         self.ending: tuple[int, set[int]] | None = None  # the run ended at version v; stages whose copy of v is owed
+        # train.update_delay 1: an IterStart that came before the Commit it follows (`IterStart.after`)
+        self.held_start: tuple[NodeId, IterStart] | None = None
         self.bf = Butterfly(self)
 
     # ---- replica side ------------------------------------------------------------------
@@ -209,17 +211,27 @@ class Aggregation:
         self.node.members.last_leader_s = now
         if not self.node.active or self.started_iter == msg.iteration:
             return []
+        overlapped = msg.after != NONE
+        if overlapped and (self.commit is None or self.commit.round != msg.after) \
+                and msg.iteration == self.node.iteration + 1:
+            # update_delay 1: this iteration's passes start only after this replica took the
+            # previous iteration's Commit (exported that gradient, applied the step before it)
+            self.held_start = (sender, msg)
+            return []
+        self.held_start = None
         self.started_iter = msg.iteration
         self.dh_reported_done = False
         if msg.iteration != self.node.iteration:
             self.node.plane.clear_iteration()
-            # (a joiner activated during this iteration sees its first IterStart for it only
-            # from a new leader's recovery; a gradient share of the new round that came first
-            # must survive it: faultgen seed 501556 waited for that share for good)
-            self.commit = None
-            self.shares = {}
-            self.bf.rparts = {}
-            self.have_round = NONE
+            if not overlapped:
+                # (a joiner activated during this iteration sees its first IterStart for it only
+                # from a new leader's recovery; a gradient share of the new round that came first
+                # must survive it: faultgen seed 501556 waited for that share for good)
+                self.commit = None
+                self.shares = {}
+                self.bf.rparts = {}
+                self.have_round = NONE
+            # overlapped: the previous iteration's round goes on reducing beside these passes
         self.node.iteration = msg.iteration
         self.reported = False
         out: list[Effect] = [record(RecordName.ITER_SEEN, node=self.node.me.id, iteration=msg.iteration)]
@@ -301,6 +313,44 @@ class Aggregation:
             # a resend of an older round (after a cut link) overtaken by the newer one: taking it
             # would leave us holding a round the leader no longer waits for (faultgen seed 20100)
             return [log("info", "old_commit_ignored", round=msg.round, holding=self.commit.round)]
+        if self.node.train.update_delay:
+            return self._delayed_commit(msg, now)
+        return self._take_commit(msg, now)
+
+    def _delayed_commit(self, msg: Commit, now: float) -> list[Effect]:
+        """`train.update_delay` 1: take this round as `_take_commit` does (its gradient is
+        exported first: computes are FIFO), then apply the step the previous iteration's round
+        left pending (`msg.step_round`), or with none pending zero the accumulated gradient,
+        so the next iteration's passes, which may start at once, accumulate a gradient of their
+        own while this round reduces; then an IterStart held for this Commit starts."""
+        prev = self.commit
+        if prev is not None and prev.round == msg.round:
+            return []  # a resend of the round we are reducing: its step is applied already
+        node = self.node
+        pending = msg.step_round != NONE
+        rkey = self._rkey(prev) if prev is not None else ()
+        ok = pending and prev is not None and prev.round == msg.step_round and self.have_round == prev.round \
+            and node.version == prev.iteration
+        out = self._take_commit(msg, now)
+        self.shares = {r: got for r, got in self.shares.items() if r >= msg.round}
+        self.bf.rparts = {r: got for r, got in self.bf.rparts.items() if r >= msg.round}
+        if ok:
+            assert prev is not None
+            out += self._step_effects(prev, rkey)
+        elif pending:
+            out.append(log("error", "step_without_gradients", iteration=msg.iteration - 1, round=msg.step_round))
+        else:
+            out.append(Compute(node.job(ComputeKind.RESET_GRAD, None), ComputeKind.RESET_GRAD, node.me.stage, None, 0.0))
+        # nothing of this iteration is redone after its Commit (a broken round restarts it): its
+        # ledger and activations go now, not with its step, so two iterations' are never held
+        node.plane.clear_iteration()
+        out.append(FreeIteration(msg.iteration, data_only=True))
+        held = self.held_start
+        if held is not None and held[1].after == msg.round:
+            out += self.on_iter_start(held[0], held[1], now)
+        return out
+
+    def _take_commit(self, msg: Commit, now: float) -> list[Effect]:
         if self.node.cfg.reduce == "butterfly":
             if self.commit is not None and self.commit.round == msg.round:
                 return []  # a resend of the round we are reducing
@@ -341,8 +391,8 @@ class Aggregation:
 
     @handles(msgs.GradShare, sender=Sender.REPLICA)
     def on_grad_share(self, sender: NodeId, msg: GradShare, now: float) -> list[Effect]:
-        if msg.iteration != self.node.iteration:
-            return []
+        if msg.iteration != self.node.iteration and (self.commit is None or msg.iteration != self.commit.iteration):
+            return []  # (update_delay 1: the round of the iteration before goes on beside this one's passes)
         if self.node.cfg.reduce == "butterfly":
             return self.bf.bf_on_share(sender, msg, now)
         self.shares.setdefault(msg.round, set()).add(sender)
@@ -470,13 +520,17 @@ class Aggregation:
             return []
         if self.have_round != msg.round or self.commit is None:
             return [log("error", "step_without_gradients", iteration=msg.iteration, round=msg.round)]
-        c = self.commit
-        self.node.version = msg.iteration + 1  # later computes run after this step (FIFO per node)
         self.node.plane.clear_iteration()
+        return self._step_effects(self.commit, self._rkey(self.commit))
+
+    def _step_effects(self, c: Commit, rkey: tuple[object, ...]) -> list[Effect]:
+        """Apply the step of `c`'s iteration with its reduced gradient `rkey`: this node's
+        weights become version iteration + 1 (later computes run after the step: FIFO per node)."""
+        self.node.version = c.iteration + 1
         contributors = digest(c).positive
-        job = self.node.job(ComputeKind.STEP, (msg.iteration, c.round, contributors))
-        return [Compute(job, ComputeKind.STEP, self.node.me.stage, None, 0.0, (self._rkey(c),), ()),
-                *self._replicate_checkpoint(c, self.node.version), FreeIteration(msg.iteration - 1)]
+        job = self.node.job(ComputeKind.STEP, (c.iteration, c.round, contributors))
+        return [Compute(job, ComputeKind.STEP, self.node.me.stage, None, 0.0, (rkey,), ()),
+                *self._replicate_checkpoint(c, self.node.version), FreeIteration(c.iteration - 1)]
 
     def _replicate_checkpoint(self, c: Commit, version: int) -> list[Effect]:
         """At a checkpoint version, relay replicas send it to the data holders, which keep the
@@ -528,6 +582,13 @@ class Aggregation:
     def on_rollback(self, sender: NodeId, msg: Rollback, now: float) -> list[Effect]:
         held = self.node.version == msg.version  # our weights are that version already (e.g. a joiner
         # that just imported it): nothing to load, and our own disk may not even hold it
+        c = self.commit
+        # update_delay 1: a restart at the version the last Commit steps to (its round broke
+        # while the next passes ran); a replica that did not take that Commit yet holds the
+        # pending step's reduced gradient (the leader sent the Commit only once all did)
+        pending = self.node.train.update_delay and not held and c is not None and c.iteration == self.node.version \
+            and msg.version == c.iteration + 1 and self.have_round == c.round and self.node.active
+        step = self._step_effects(c, self._rkey(c)) if pending and c is not None else []
         self.node.plane.clear_iteration()
         self.node.plane.pending_fwd.clear()
         self.node.version = msg.version
@@ -537,10 +598,17 @@ class Aggregation:
         self.shares = {}  # when the iteration number does not change)
         self.bf.rparts = {}
         self.have_round = NONE
+        self.held_start = None
         if not self.node.active:
             return []
+        if step:  # (the step's reduced gradient stays until the step has run: no FreeIteration here)
+            return [record(RecordName.ROLLBACK_NODE, node=self.node.me.id, version=msg.version, held=True), *step]
         if held:
-            return [record(RecordName.ROLLBACK_NODE, node=self.node.me.id, version=msg.version, held=True), FreeIteration(10**9)]
+            # the gradient accumulated in the iteration given up is void (a restart with the
+            # weights held: nothing else resets it)
+            reset = Compute(self.node.job(ComputeKind.RESET_GRAD, None), ComputeKind.RESET_GRAD, self.node.me.stage, None, 0.0)
+            return [record(RecordName.ROLLBACK_NODE, node=self.node.me.id, version=msg.version, held=True),
+                    FreeIteration(10**9), reset]
         job = self.node.job(ComputeKind.LOAD_CHECKPOINT, msg.version)
         size = self.node.train.stage_state_bytes[self.node.me.stage]
         key = ("state", self.node.me.stage, msg.version, "checkpoint")

@@ -344,7 +344,12 @@ class NodeCore(CoreState):
         entry = self._resends.pop(seq, None)
         if entry is None or not self._known(entry[0]):
             return []
-        return [self.send(entry[0], entry[1])]
+        msg = entry[1]
+        if isinstance(msg, m.GradShare) and (self.agg.commit is None or self.agg.commit.round != msg.round):
+            # a share of a round this node no longer reduces (stepped, or given up by a restart or
+            # rollback): its tensor is freed and nobody waits for it
+            return [log("debug", "stale_share_not_resent", round=msg.round, to=entry[0])]
+        return [self.send(entry[0], msg)]
 
 
 NodeCore._routes = routes_of(NodeCore, NodeCore.PARTS)  # subclasses: __init_subclass__

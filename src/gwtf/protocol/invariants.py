@@ -103,6 +103,9 @@ class BatchAccount:
             self._commit(int(f["iteration"]), int(f["round"]), int(f["expected"]))
         elif event == "rollback":
             self.epoch += 1
+            it = int(f.get("version", 0)) - 1  # (see InvariantChecker: the step a restart completes)
+            if (self.epoch - 1, it) in self.data:
+                self.data[(self.epoch, it)] = self.data[(self.epoch - 1, it)]
 
     def _on_dh_lost(self, f: dict[str, Any]) -> None:
         started = int(f.get("started", -1))
@@ -208,6 +211,21 @@ class InvariantChecker:
             self.epoch += 1
             self.last_progress_s = now
             self.stage_lost = False
+            self._carry(int(f.get("version", 0)) - 1)
+
+    def _carry(self, it: int) -> None:
+        """A rollback to version v may still see steps of iteration v-1 (train.update_delay 1: a
+        replica restarted at v applies the step it held pending): that iteration's decisions,
+        steps and starts count in the new epoch too."""
+        old = self.epoch - 1
+        for (e, i, rnd, stage), d in list(self.decisions.items()):
+            if e == old and i == it:
+                self.decisions[(self.epoch, i, rnd, stage)] = d
+        for (e, i, stage), a in list(self.applied.items()):
+            if e == old and i == it:
+                self.applied[(self.epoch, i, stage)] = a
+        if (old, it) in self.started:
+            self.started[(self.epoch, it)] = self.started[(old, it)]
 
     def _progress(self, now: float) -> None:
         if now - self.last_progress_s > self.progress_bound_s and not self.stage_lost:

@@ -64,6 +64,19 @@ class Phase(StrEnum):
 
 
 @dataclass(slots=True)
+class Overlap:
+    """`train.update_delay` 1: a committed round still reducing while the next iteration runs."""
+
+    iteration: int
+    round: int
+    commits: dict[int, Commit]  # stage -> its Commit
+    commit_set: set[NodeId]  # the live replicas whose Have it waits for
+    contributors: set[NodeId]
+    expected: int  # the iteration's microbatches (its `iteration_done` record)
+    haves: set[NodeId] = field(default_factory=set)
+
+
+@dataclass(slots=True)
 class LeaderState:
     """Everything a leader knows of its term's iterations, owned by the leadership alone: built
     when a node starts to lead (`leader_init`), consulted only while `is_leader`."""
@@ -97,6 +110,11 @@ class LeaderState:
     # the last `plan_redo` inputs and result: while redo chains are out, most Reports change no
     # contribution, and the pure planner's answer to the same inputs is the same
     last_plan: tuple[dict[NodeId, tuple[int, frozenset[Contrib]]], dict[NodeId, tuple[int, ...]], Plan] | None = None
+    # train.update_delay 1: the previous iteration's round, reducing beside this iteration's passes
+    overlap: Overlap | None = None
+    # ... and the round whose step the replicas hold pending (applied at the next Commit); NONE:
+    # this iteration runs on the weights its predecessor stepped to (a fresh one)
+    step_round: int = NONE
 
 
 class Coordinator:
@@ -189,7 +207,7 @@ class Coordinator:
     def _iter_start(self, t: int) -> IterStart:
         """Iteration `t`'s start, with the vacant shards' microbatches dealt to the live data holders."""
         return IterStart(term=self.node.term, iteration=t, leader=self.node.me.id,
-                         extra=self.node.members.vacant_extras(t))
+                         extra=self.node.members.vacant_extras(t), after=self.lead.step_round)
 
     def _begin(self, t: int, now: float) -> list[Effect]:
         """Iteration `t` starts: every member hears IterStart."""
@@ -201,7 +219,9 @@ class Coordinator:
     def _pause(self, now: float) -> list[Effect]:
         if self.lead.phase != Phase.PAUSED:
             self.lead.phase = Phase.PAUSED
-            self.lead.lost_from = self.lead.t
+            # (update_delay 1: an iteration beside an overlapped round runs on the version before)
+            self.lead.lost_from = self.lead.t if self.lead.step_round == NONE else self.lead.t - 1
+            self.lead.overlap = None
             self.lead.stalled_log_s = now
             empty = [k for k, m in enumerate(self._stage_members()) if not m]
             out: list[Effect] = [record(RecordName.STAGE_LOST, stages=tuple(empty), iteration=self.lead.t),
@@ -260,6 +280,11 @@ class Coordinator:
         reports = self.lead.reports
         top = max(r.version for r in reports.values())
         out: list[Effect] = []
+        if self.node.train.update_delay and not (self.node.train.iterations and top >= self.node.train.iterations):
+            # how far the old leader's overlapped round got is not known: start again at the
+            # newest version (a replica one behind holds its pending step and applies it)
+            self.lead.t = top
+            return self._restart(top, now, "new leader")
         for pid, r in sorted(reports.items()):
             if r.version < top:  # the old leader died while sending Step: finish it
                 out.append(self.node.send(pid, Step(term=self.node.term, iteration=r.version, round=r.have_round)))
@@ -354,6 +379,8 @@ class Coordinator:
         return out + self._commit(contrib, now)
 
     def _commit(self, contrib: dict[NodeId, tuple[int, frozenset[Contrib]]], now: float) -> list[Effect]:
+        if self.lead.overlap is not None:
+            return []  # update_delay 1: the previous round's Haves first (its step goes with this Commit)
         self.lead.round += 1
         self.lead.phase = Phase.COMMIT
         self.lead.haves = set()
@@ -367,17 +394,73 @@ class Coordinator:
             mbs = {p: tuple(sorted(contrib[p][1])) for p, _ in contributors}
             out.append(record(RecordName.DECISION, iteration=self.lead.t, round=self.lead.round, stage=stage,
                               contributions=mbs, expected=tuple(sorted(self.lead.expected.items()))))
-            msg = Commit(term=self.node.term, iteration=self.lead.t, round=self.lead.round, contributors=contributors, replicas=tuple(members))
+            msg = Commit(term=self.node.term, iteration=self.lead.t, round=self.lead.round, contributors=contributors,
+                         replicas=tuple(members), step_round=self.lead.step_round)
             self.lead.commits[stage] = msg
             out += [self.node.send(p, msg) for p in members]
-        return out
+        return out + (self._overlap(now) if self._overlaps() else [])
 
-    def _commit_broken(self, pid: NodeId, stage: int) -> bool:
+    def _overlaps(self) -> bool:
+        """`train.update_delay` 1: the next iteration starts now, beside this round's reduction,
+        unless this is the last one, or a joiner waits (it is activated in an iteration whose
+        passes run on stepped weights, holding no pending step: the boundary is synchronous)."""
+        t, n = self.lead.t, self.node.train.iterations
+        return bool(self.node.train.update_delay) and not (n and t + 1 >= n) and not self.lead.waiting
+
+    def _overlap(self, now: float) -> list[Effect]:
+        t = self.lead.t
+        self.lead.overlap = Overlap(t, self.lead.round, self.lead.commits, set(self.lead.commit_set),
+                                    set(self.lead.contributors), sum(len(v) for v in self.lead.expected.values()))
+        self.lead.step_round = self.lead.round
+        self.lead.commits, self.lead.commit_set, self.lead.contributors = {}, set(), set()
+        return self.start_iteration(t + 1, now)
+
+    def _overlap_check(self, now: float) -> list[Effect]:
+        """Every live replica of the overlapped round holds its reduced gradient: that
+        iteration is done (its step goes out with the next Commit); a Commit waiting for it goes."""
+        ov = self.lead.overlap
+        if ov is None or not ov.commit_set <= ov.haves:
+            return []
+        self.lead.overlap = None
+        out: list[Effect] = [record(RecordName.ITERATION_DONE, iteration=ov.iteration, round=ov.round, expected=ov.expected)]
+        if checkpoint_due(ov.iteration + 1, self.node.cfg.checkpoint_every, self.node.train.iterations):
+            out.append(record(RecordName.CHECKPOINT, version=ov.iteration + 1))
+        return out + self._check(now)
+
+    def _overlap_dead(self, pid: NodeId) -> bool:
+        """A member died and the overlapped round (if any) stands: it no longer waits for it.
+        Whether that round is complete now."""
+        ov = self.lead.overlap
+        if ov is None:
+            return False
+        ov.haves.discard(pid)
+        ov.commit_set.discard(pid)
+        return ov.commit_set <= ov.haves
+
+    def _restart(self, version: int, now: float, why: str) -> list[Effect]:
+        """`train.update_delay` 1: a committed round broke after its replicas stepped past it (or
+        a new leader does not know how far the rounds in flight got): every member restarts
+        iteration `version` with the weights it holds (`Aggregation.on_rollback`: a replica that
+        did not take the last Commit yet applies the step it held pending). The iterations given
+        up are trained again; nothing of them counts."""
+        self.lead.overlap = None
+        self.lead.step_round = NONE
+        self.lead.commits, self.lead.commit_set, self.lead.contributors = {}, set(), set()
+        out: list[Effect] = [record(RecordName.ROLLBACK, lost_from=self.lead.t, version=version,
+                                    lost_iterations=self.lead.t - version, restart=why)]
+        out += self._broadcast(Rollback(term=self.node.term, version=version, lost_from=self.lead.t), include_self=True)
+        self.lead.phase = Phase.RUN
+        return out + self.start_iteration(version, now)
+
+    def _commit_broken(self, pid: NodeId, stage: int, ov: Overlap | None = None) -> bool:
         """A death during commit forces a new round only if it was the stage's reducer, a
         contributor whose gradient the reducer may not hold yet (its Have not received), or a
         broadcast-tree parent with a child that has not said Have (it may never get the gradient).
-        Butterfly: any replica of the stage while another has not said Have (module butterfly)."""
-        c = self.lead.commits.get(stage)
+        Butterfly: any replica of the stage while another has not said Have (module butterfly).
+        `ov`: of that overlapped round instead of the current one."""
+        commits, haves, contributors = (ov.commits, ov.haves, ov.contributors) if ov is not None else \
+            (self.lead.commits, self.lead.haves, self.lead.contributors)
+        c = commits.get(stage)
         if c is None:
             return False
         d = digest(c)
@@ -385,15 +468,19 @@ class Coordinator:
             # every replica owns a part: a replica gone before all the others hold the reduced
             # gradient may have taken one with it (on its uplink, or not yet reduced)
             return (pid == d.reducer or pid in d.pos) and not all(
-                r in self.lead.haves for r in c.replicas if r != pid)
+                r in haves for r in c.replicas if r != pid)
         if pid == d.reducer:
             return True
-        if pid in self.lead.contributors and d.reducer not in self.lead.haves:
+        if pid in contributors and d.reducer not in haves:
             return True
-        return pid in d.pos and not set(tree_children(d, pid, self.node.cfg.reduce_fanout)) <= self.lead.haves
+        return pid in d.pos and not set(tree_children(d, pid, self.node.cfg.reduce_fanout)) <= haves
 
     @handles(msgs.Have, sender=Sender.MEMBER, fence=Fence.TO_LEADER)
     def on_have(self, sender: NodeId, msg: Have, now: float) -> list[Effect]:
+        ov = self.lead.overlap
+        if self.node.is_leader and ov is not None and msg.round == ov.round:
+            ov.haves.add(sender)
+            return self._overlap_check(now)
         if not self.node.is_leader or self.lead.phase != Phase.COMMIT or msg.round != self.lead.round:
             return []
         self.lead.haves.add(sender)
@@ -404,6 +491,7 @@ class Coordinator:
         out: list[Effect] = [record(RecordName.ITERATION_DONE, iteration=t, round=self.lead.round,
                                     expected=sum(len(v) for v in self.lead.expected.values()))]
         out += [self.node.send(p, Step(term=self.node.term, iteration=t, round=self.lead.round)) for p in sorted(self.lead.commit_set)]
+        self.lead.step_round = NONE  # the next iteration runs on the weights this Step makes
         if checkpoint_due(t + 1, self.node.cfg.checkpoint_every, self.node.train.iterations):
             out.append(record(RecordName.CHECKPOINT, version=t + 1))
         return out + self.start_iteration(t + 1, now)
@@ -417,6 +505,15 @@ class Coordinator:
         self.lead.haves.discard(pid)
         self.lead.commit_set.discard(pid)
         out: list[Effect] = []
+        ov = self.lead.overlap
+        delay = self.node.train.update_delay
+        if delay and self.lead.phase not in (Phase.PAUSED, Phase.FINISHED, Phase.RECOVER):
+            if ov is not None and self._commit_broken(pid, stage, ov):
+                # its replicas stepped to version ov.iteration (or hold that step pending)
+                return self._restart(ov.iteration, now, "overlapped round broken")
+            if self.lead.phase == Phase.COMMIT and self._commit_broken(pid, stage):
+                return self._restart(self.lead.t, now, "round broken")
+        done = self._overlap_dead(pid)
         broken = self.lead.phase == Phase.COMMIT and self._commit_broken(pid, stage)
         if stage == 0 and self.lead.phase == Phase.COMMIT and not broken:
             # its gradient is in the reduction already (the commit stands): its microbatches
@@ -440,7 +537,7 @@ class Coordinator:
             self.lead.phase = Phase.RUN  # its microbatches are dealt again first (`_deal`)
         if self.lead.phase == Phase.RECOVER:
             return out + self._recover_check(now)
-        return out + self._check(now)
+        return out + (self._overlap_check(now) if done else self._check(now))
 
     def _void_standing(self, out: list[Effect]) -> bool:
         """The round breaks: a data holder lost earlier in it, whose gradient that round still
@@ -480,7 +577,10 @@ class Coordinator:
         self.lead.reassigned.pop(sender, None)
         self.node.members.pending_joiners.discard(sender)
         self.node.members.last_hb[sender] = now
-        if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t):
+        if self.lead.phase == Phase.PAUSED or (self.lead.phase == Phase.RUN and msg.version == self.lead.t
+                                               and self.lead.step_round == NONE):
+            # (update_delay 1: not beside an overlapped round, whose pending step the joiner lacks;
+            # it waits, and the next boundary is synchronous for it: `_overlaps`)
             return self._activate(sender, from_tuple(msg.peer), now, msg.version)
         if self.lead.phase == Phase.ADMIT and msg.version == self.lead.t:
             self.lead.admitting.discard(sender)
@@ -558,4 +658,5 @@ class Coordinator:
                                     lost_iterations=self.lead.lost_from - ckpt)]
         out += self._broadcast(Rollback(term=self.node.term, version=ckpt, lost_from=self.lead.lost_from), include_self=True)
         self.lead.phase = Phase.RUN
+        self.lead.step_round = NONE  # the first iteration after a rollback runs on the weights loaded
         return out + self.start_iteration(ckpt, now)

@@ -59,6 +59,7 @@ class TrainParams:
     tokens_per_microbatch: int = 0
     activation_grad_bytes: int = -1  # one activation gradient on the wire (Backward); -1 = activation_bytes
     data_holders: int = 0  # D: data shards (train.data_holders); a joiner takes a vacant one (0: none)
+    update_delay: int = 0  # train.update_delay: 1 = the reduction overlaps the next iteration's passes
 
     def __post_init__(self) -> None:
         if self.activation_grad_bytes < 0:

@@ -67,9 +67,11 @@ class Record:
 @fast_init
 @dataclass(frozen=True, slots=True)
 class FreeIteration:
-    """The driver may drop every stored tensor whose key's iteration (key[2]) is <= `iteration`."""
+    """The driver may drop every stored tensor whose key's iteration (key[2]) is <= `iteration`
+    (`data_only`: only the microbatches' tensors, keys "act", "grad" and "lgrad")."""
 
     iteration: int
+    data_only: bool = False
 
 
 def record(event: RecordName, **fields: Any) -> Record:
@@ -397,6 +399,9 @@ class IterStart(Message):
     # the vacant shards' microbatches of this iteration: (data holder, shard, index), each served
     # by that live data holder besides its own shard (protocol.hold_batch)
     extra: tuple[tuple[NodeId, int, int], ...] = ()
+    # train.update_delay 1: the round of iteration-1's Commit, which a replica takes (exporting
+    # that gradient) before this iteration's passes; NONE: iteration-1 was stepped (Step) first
+    after: int = NONE
 
 
 @message
@@ -477,6 +482,9 @@ class Commit(Message):
     round: int
     contributors: tuple[tuple[NodeId, int], ...]
     replicas: tuple[NodeId, ...]
+    # train.update_delay 1: after exporting this round's gradient, apply the step of iteration-1
+    # with its round `step_round` (the replica holds that reduced gradient); NONE: no step pending
+    step_round: int = NONE
 
 
 @message

@@ -122,13 +122,14 @@ def _fp32_bytes(values: int) -> int:
 
 def iteration_params(shape: ModelShape, *, stages: int, microbatch_size: int, seq_len: int,
                      microbatches: int, iterations: int, wire_bytes: tuple[int, int] | None = None,
-                     data_holders: int = 0, grad_bytes: Callable[[int], int] | None = None) -> TrainParams:
+                     data_holders: int = 0, grad_bytes: Callable[[int], int] | None = None,
+                     update_delay: int = 0) -> TrainParams:
     """The core's view of an iteration: `microbatches` per data holder per iteration; weights,
     state and parameter gradients float32; activations and activation gradients `wire_bytes`
     = (activation, gradient) bytes on the wire (`gwtf.model.wire.boundary_bytes` of the [wire]
     section; None = float32); `data_holders`: the data shards a joiner may take (0: none);
     `grad_bytes`: the bytes of a stage gradient of n values in the within-stage reduction's
-    format (`wire.stage_gradients`; None: float32)."""
+    format (`wire.stage_gradients`; None: float32); `update_delay`: `train.update_delay`."""
     act, grad = wire_bytes if wire_bytes is not None else (shape.activation_bytes(microbatch_size),) * 2
     return TrainParams(
         stages=stages, microbatches=microbatches, iterations=iterations,
@@ -136,5 +137,5 @@ def iteration_params(shape: ModelShape, *, stages: int, microbatch_size: int, se
         stage_flops=tuple(shape.stage_flops_per_microbatch(k, stages, microbatch_size) for k in range(stages)),
         stage_state_bytes=tuple(shape.stage_state_bytes(k, stages) for k in range(stages)),
         stage_grad_bytes=tuple((grad_bytes or _fp32_bytes)(shape.stage_param_count(k, stages)) for k in range(stages)),
-        tokens_per_microbatch=microbatch_size * seq_len, data_holders=data_holders,
+        tokens_per_microbatch=microbatch_size * seq_len, data_holders=data_holders, update_delay=update_delay,
     )

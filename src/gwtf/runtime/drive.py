@@ -252,28 +252,30 @@ class Host:
                        submit: Callable[[Callable[[int], None], int], None] | None = None) -> None:
         """`FreeIteration`: the wire side now; the store through `submit` (the torch thread's
         queue, in emission order), or at once when no `submit` is given (one-thread drivers)."""
-        self.free_wire(eff.iteration)
+        only = eff.data_only
+        self.free_wire(eff.iteration, only)
         # what arrives after this effect was emitted (e.g. a forward of the iteration a
         # rollback starts again) is not the protocol's to drop: the torch thread runs the
         # free later, so it frees only tensors that had arrived by now
         cut = self._arrivals
         if submit is None:
-            self.free_store(eff.iteration, cut)
+            self.free_store(eff.iteration, cut, only)
         else:
-            submit(lambda it: self.free_store(it, cut), eff.iteration)
+            submit(lambda it: self.free_store(it, cut, only), eff.iteration)
 
-    def free_wire(self, iteration: int) -> None:
+    def free_wire(self, iteration: int, data_only: bool = False) -> None:
         with self._lock:
-            for k in [k for k in self._wire if _iteration_of(k) <= iteration]:
+            for k in [k for k in self._wire if _iteration_of(k) <= iteration and (not data_only or _is_data(k))]:
                 del self._wire[k]
 
-    def free_store(self, iteration: int, cut: int | None = None) -> None:
+    def free_store(self, iteration: int, cut: int | None = None, data_only: bool = False) -> None:
         """Torch thread: drop tensors and autograd graphs of iterations <= `iteration`; of the
-        received ones only those with an arrival number <= `cut` (None: all)."""
+        received ones only those with an arrival number <= `cut` (None: all); `data_only`: only
+        the microbatches' tensors (`FreeIteration.data_only`)."""
         limit = self._arrivals if cut is None else cut
 
         def done(k: Hashable) -> bool:
-            return _iteration_of(k) <= iteration and self._arrived.get(k, 0) <= limit
+            return _iteration_of(k) <= iteration and self._arrived.get(k, 0) <= limit and (not data_only or _is_data(k))
 
         with self._lock:
             for k in [k for k in self._inbox if done(k)]:
@@ -288,6 +290,8 @@ class Host:
                 for k in gone:
                     self._arrived.pop(k, None)
             w.drop_graphs_before(iteration)
+        if data_only:
+            return
         for k in [k for k in list(self.grad_counts) if _iteration_of(k) <= iteration]:
             self.grad_counts.pop(k, None)
         if self._last_blob is not None and self._last_blob[1] <= iteration:
@@ -569,6 +573,11 @@ def checkpoint_dir(cfg: Config, ident: NodeIdentity) -> Path:
     return out / checkpoints.CHECKPOINTS_DIR
 
 
+def _is_data(key: Hashable) -> bool:
+    """A microbatch's tensor (an activation or activation gradient), not a stage's."""
+    return isinstance(key, tuple) and bool(key) and key[0] in ("act", "grad", "lgrad")
+
+
 def _iteration_of(key: Hashable) -> float:
     """A tensor key's iteration (key[2]); keys without one are never freed by iteration."""
     if isinstance(key, tuple) and len(key) > 2 and isinstance(key[2], int):
@@ -609,7 +618,8 @@ def train_params(cfg: Config, spec: ModelSpec) -> TrainParams:
     return iteration_params(spec, stages=cfg.model.stages, microbatch_size=cfg.model.microbatch_size,
                             seq_len=cfg.model.seq_len, microbatches=cfg.train.microbatches,
                             iterations=cfg.train.iterations, wire_bytes=sizes, data_holders=cfg.train.data_holders,
-                            grad_bytes=lambda n: wire.wire_bytes(n, w.stage_gradients, w.block_values))
+                            grad_bytes=lambda n: wire.wire_bytes(n, w.stage_gradients, w.block_values),
+                            update_delay=cfg.train.update_delay)
 
 
 

@@ -103,9 +103,11 @@ class NodesSection:
 class TrainSection:
     microbatches: int = 4  # M per data holder per iteration
     iterations: int = 10  # K: iterations to simulate
+    update_delay: int = 0  # as the swarm config's train.update_delay (0 or 1)
 
     def __post_init__(self) -> None:
         _req(self.microbatches >= 1, "train.microbatches", "must be >= 1")
+        _req(self.update_delay in (0, 1), "train.update_delay", "must be 0 or 1")
         _req(self.iterations >= 1, "train.iterations", "must be >= 1")
 
 
@@ -213,7 +215,7 @@ def build(sc: ScenarioConfig, seed: int) -> tuple[Instance, TrainParams]:
     train = iteration_params(spec, stages=m.stages, microbatch_size=m.microbatch_size, seq_len=m.seq_len,
                              microbatches=demand, iterations=sc.train.iterations, wire_bytes=sizes,
                              grad_bytes=lambda n: wire_bytes(n, w.stage_gradients, w.block_values),
-                             data_holders=len(inst.by_stage[0]))
+                             data_holders=len(inst.by_stage[0]), update_delay=sc.train.update_delay)
     if train.route_bytes != inst.activation_bytes:  # the central optimum prices the same bytes
         inst = replace(inst, activation_bytes=train.route_bytes)
     return inst, train
