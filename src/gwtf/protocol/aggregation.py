@@ -201,6 +201,17 @@ class Aggregation:
         self.held_start: tuple[NodeId, IterStart] | None = None
         self.bf = Butterfly(self)
 
+    def forget_rounds(self) -> None:
+        """No iteration started and no round held (a rollback; a node that joins, or joins
+        again at another stage: what it held of its old rounds is void, and an IterStart it took
+        there must not make it skip the same iteration number here)."""
+        self.started_iter = NONE
+        self.commit = None
+        self.shares = {}
+        self.bf.rparts = {}
+        self.have_round = NONE
+        self.held_start = None
+
     # ---- replica side ------------------------------------------------------------------
 
     @handles(msgs.IterStart, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
@@ -593,12 +604,8 @@ class Aggregation:
         self.node.plane.pending_fwd.clear()
         self.node.version = msg.version
         self.node.iteration = msg.version
-        self.started_iter = NONE
-        self.commit = None  # the rolled-back iterations' rounds are void (IterStart keeps them
-        self.shares = {}  # when the iteration number does not change)
-        self.bf.rparts = {}
-        self.have_round = NONE
-        self.held_start = None
+        self.forget_rounds()  # the rolled-back iterations' rounds are void (IterStart keeps them
+        # when the iteration number does not change)
         if not self.node.active:
             return []
         if step:  # (the step's reduced gradient stays until the step has run: no FreeIteration here)

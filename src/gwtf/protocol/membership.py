@@ -547,8 +547,12 @@ class Membership:
             if p.shard != self.node.me.shard:  # the leader gave us another vacant shard (ours was served)
                 self.node.me = replace(self.node.me, shard=p.shard)
                 self._dir_set(self.node.me)
+            if not self.node.active:
+                # (only at activation: a resent MemberUp to an active member must not move its
+                # iteration back to its version, which with train.update_delay 1 is one behind;
+                # SWARM seed 3 of paper-gpt-high then never reported again: a 6,000 s stall)
+                self.node.iteration = self.node.version
             self.node.active = True
-            self.node.iteration = self.node.version
             out: list[Effect] = [record(RecordName.ACTIVATED, node=self.node.me.id, stage=self.node.me.stage,
                                         version=self.node.version)]
             if msg.start != NONE and msg.start == self.node.version and self.node.me.stage == 0:
@@ -744,6 +748,10 @@ class Membership:
         self.node.leader = sender
         self.last_leader_s = now
         self.node.iteration = msg.iteration
+        # (a node moved to another stage kept the IterStart it took at its old one: with a
+        # restart in between, the same iteration's IterStart here was then ignored for good,
+        # SWARM seed 3 of paper-gpt-high with train.update_delay 1: a 6,000 s stall)
+        self.node.agg.forget_rounds()
         self.state_tries = 0
         self.restore_version = msg.checkpoint_iteration
         out: list[Effect] = [record(RecordName.JOIN_STAGE, node=self.node.me.id, stage=stage, utilisation=util[stage])]
