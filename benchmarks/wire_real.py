@@ -48,9 +48,13 @@ ARMS = {
     "fp32 + butterfly": ('wire.activations="fp32"', 'wire.gradients="fp32"', 'protocol.reduce="butterfly"'),
     "int8 + butterfly + int8 stage": ('wire.activations="int8"', 'wire.gradients="int8"', 'protocol.reduce="butterfly"',
                                       'wire.stage_gradients="int8"'),
+    "int8 + butterfly + int8 stage + delay 1": ('wire.activations="int8"', 'wire.gradients="int8"',
+                                                'protocol.reduce="butterfly"', 'wire.stage_gradients="int8"',
+                                                "train.update_delay=1"),
 }
-"""The two shipped settings, then each change alone (which of the two costs or pays), then the
-fastest measured in the simulator (docs/wire-formats.md, stage gradients: int8 everywhere)."""
+"""The old defaults, then each change alone (which of them costs or pays), then today's defaults
+(int8 everywhere, the butterfly: docs/wire-formats.md), and those with the reduction overlapping
+the next iteration's passes (`train.update_delay = 1`, docs/protocol.md)."""
 RUN_LIMIT_S = 600.0
 
 

@@ -133,8 +133,11 @@ def _comparable(rows: list[dict[str, object]]) -> list[dict[str, object]]:
     return [{k: v for k, v in r.items() if k not in ("time_s", "tokens_per_s", "peak_memory_bytes")} for r in rows]
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("delay", [0, 1])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, delay: int) -> None:
+    """With `train.update_delay` 1 the checkpoint carries the step still pending."""
     cfg = tiny_config(tmp_path, checkpoint_every=0)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, update_delay=delay))
     whole = train_local(cfg, tmp_path / "whole", say=lambda _: None)
     part = train_local(cfg, tmp_path / "split", stop_after=2, say=lambda _: None)
     assert part.stopped_early and part.completed == 2
