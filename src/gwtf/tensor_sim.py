@@ -303,6 +303,25 @@ def reference_stages(cfg: Config, dataset: TokenDataset, iterations: int,
     return [{k: v.detach().clone() for k, v in s.state_dict().items()} for s in stages], losses
 
 
+def replica_problems(run: TensorRun, want: Mapping[int, StageWeights] | Sequence[StageWeights], iterations: int,
+                     atol: float, rtol: float) -> list[str]:
+    """What is wrong with the live replicas of a finished run, as readable lines (empty: none):
+    a replica not at version `iterations`, weights off `want[stage]` beyond (`atol`, `rtol`)
+    (`compare_stages`), replicas of a stage whose weights hashes differ after a step."""
+    out: list[str] = []
+    for node, weights in sorted(run.weights.items()):
+        stage = run.stage_of[node]
+        if run.version_of[node] != iterations:
+            out.append(f"{node} (stage {stage}) at version {run.version_of[node]}, want {iterations}")
+        d_abs, d_rel = compare_stages(weights, want[stage])
+        if d_abs > atol or d_rel > rtol:
+            out.append(f"{node} (stage {stage}) differs: max abs {d_abs:.3e}, rel {d_rel:.3e}")
+    for (stage, it), hashes in sorted(run.step_hashes.items()):
+        if len(set(hashes.values())) != 1:
+            out.append(f"stage {stage} iteration {it}: replicas diverged {hashes}")
+    return out
+
+
 def compare_stages(got: Mapping[str, Tensor], want: Mapping[str, Tensor]) -> tuple[float, float]:
     """(max abs difference, max relative difference = abs / max|want| per tensor) over a stage."""
     if set(got) != set(want):

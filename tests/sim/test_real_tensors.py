@@ -41,10 +41,10 @@ from gwtf.tensor_sim import (
     StageWeights,
     TensorRun,
     TensorSimulator,
-    compare_stages,
     config_for,
     reference_stages,
     relay_crash_schedule,
+    replica_problems,
     run_with_tensors,
 )
 
@@ -103,16 +103,7 @@ def _problems(run: TensorRun, want: list[StageWeights] | dict[int, StageWeights]
     alive_per_stage = {k: [n for n, st in run.stage_of.items() if st == k] for k in range(len(want))}
     if any(not nodes for nodes in alive_per_stage.values()):
         out.append(f"a stage has no live replica: {alive_per_stage}")
-    for node, weights in sorted(run.weights.items()):
-        stage = run.stage_of[node]
-        if run.version_of[node] != K:
-            out.append(f"{node} (stage {stage}) at version {run.version_of[node]}, want {K}")
-        d_abs, d_rel = compare_stages(weights, want[stage])
-        if d_abs > ATOL or d_rel > RTOL:
-            out.append(f"{node} (stage {stage}) differs: max abs {d_abs:.3e}, rel {d_rel:.3e}")
-    for (stage, it), hashes in sorted(run.step_hashes.items()):
-        if len(set(hashes.values())) != 1:
-            out.append(f"stage {stage} iteration {it}: replicas diverged {hashes}")
+    out += replica_problems(run, want, K, ATOL, RTOL)
     for node, stage in sorted(run.stage_of.items()):
         stepped = [it for it in range(K) if node in run.step_hashes.get((stage, it), {})]
         first = 0 if node in initial else (stepped[0] if stepped else K)  # a joiner steps once active

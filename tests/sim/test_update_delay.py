@@ -38,6 +38,7 @@ from gwtf.tensor_sim import (
     config_for,
     reference_stages,
     relay_crash_schedule,
+    replica_problems,
     run_with_tensors,
 )
 
@@ -84,17 +85,7 @@ def _problems(run: TensorRun, cfg: Config, ds: TokenDataset) -> list[str]:
         out.append(f"finished={s.get('finished')} violations={s.get('violations')}")
     out += run.contract_violations[:3]
     want, _ = reference_stages(cfg, ds, K, restarts=run.restarts)
-    for node, weights in sorted(run.weights.items()):
-        stage = run.stage_of[node]
-        if run.version_of[node] != K:
-            out.append(f"{node} (stage {stage}) at version {run.version_of[node]}, want {K}")
-        d_abs, d_rel = compare_stages(weights, want[stage])
-        if d_abs > ATOL or d_rel > RTOL:
-            out.append(f"{node} (stage {stage}) differs: max abs {d_abs:.3e}, rel {d_rel:.3e} (restarts {run.restarts})")
-    for (stage, it), hashes in sorted(run.step_hashes.items()):
-        if len(set(hashes.values())) != 1:
-            out.append(f"stage {stage} iteration {it}: replicas diverged {hashes}")
-    return out
+    return out + [f"{line} (restarts {run.restarts})" for line in replica_problems(run, want, K, ATOL, RTOL)]
 
 
 @pytest.mark.parametrize("reduce", ["gather", "butterfly"])
