@@ -206,11 +206,15 @@ class Aggregation:
         again at another stage: what it held of its old rounds is void, and an IterStart it took
         there must not make it skip the same iteration number here)."""
         self.started_iter = NONE
+        self.held_start = None
+        self._drop_round()
+
+    def _drop_round(self) -> None:
+        """Hold no Commit, gradient share or reduced gradient of any round."""
         self.commit = None
         self.shares = {}
         self.bf.rparts = {}
         self.have_round = NONE
-        self.held_start = None
 
     # ---- replica side ------------------------------------------------------------------
 
@@ -238,10 +242,7 @@ class Aggregation:
                 # (a joiner activated during this iteration sees its first IterStart for it only
                 # from a new leader's recovery; a gradient share of the new round that came first
                 # must survive it: faultgen seed 501556 waited for that share for good)
-                self.commit = None
-                self.shares = {}
-                self.bf.rparts = {}
-                self.have_round = NONE
+                self._drop_round()
             # overlapped: the previous iteration's round goes on reducing beside these passes
         self.node.iteration = msg.iteration
         self.reported = False
@@ -307,10 +308,13 @@ class Aggregation:
         if msg.iteration != self.node.iteration:
             return []
         self.node.plane.contributed.clear()
-        job = self.node.job(ComputeKind.RESET_GRAD, None)
+        reset = self._reset_grad()
         return [record(RecordName.RESET, node=self.node.me.id, stage=self.node.me.stage, iteration=msg.iteration),
-                Compute(job, ComputeKind.RESET_GRAD, self.node.me.stage, None, 0.0),
-                self.node.send(sender, self._report())]
+                reset, self.node.send(sender, self._report())]
+
+    def _reset_grad(self) -> Compute:
+        """Zero this replica's accumulated gradient (after the computes already queued)."""
+        return Compute(self.node.job(ComputeKind.RESET_GRAD, None), ComputeKind.RESET_GRAD, self.node.me.stage, None, 0.0)
 
     @handles(msgs.Commit, sender=Sender.LEADER, fence=Fence.FROM_LEADER)
     def on_commit(self, sender: NodeId, msg: Commit, now: float) -> list[Effect]:
@@ -351,7 +355,7 @@ class Aggregation:
         elif pending:
             out.append(log("error", "step_without_gradients", iteration=msg.iteration - 1, round=msg.step_round))
         else:
-            out.append(Compute(node.job(ComputeKind.RESET_GRAD, None), ComputeKind.RESET_GRAD, node.me.stage, None, 0.0))
+            out.append(self._reset_grad())
         # nothing of this iteration is redone after its Commit (a broken round restarts it): its
         # ledger and activations go now, not with its step, so two iterations' are never held
         node.plane.clear_iteration()
@@ -613,9 +617,8 @@ class Aggregation:
         if held:
             # the gradient accumulated in the iteration given up is void (a restart with the
             # weights held: nothing else resets it)
-            reset = Compute(self.node.job(ComputeKind.RESET_GRAD, None), ComputeKind.RESET_GRAD, self.node.me.stage, None, 0.0)
             return [record(RecordName.ROLLBACK_NODE, node=self.node.me.id, version=msg.version, held=True),
-                    FreeIteration(10**9), reset]
+                    FreeIteration(10**9), self._reset_grad()]
         job = self.node.job(ComputeKind.LOAD_CHECKPOINT, msg.version)
         size = self.node.train.stage_state_bytes[self.node.me.stage]
         key = ("state", self.node.me.stage, msg.version, "checkpoint")
