@@ -40,7 +40,7 @@ from gwtf.model.data import TokenDataset
 from gwtf.model.presets import model_spec
 from gwtf.model.pretrained import resolve_init
 from gwtf.model.stage import build_stage
-from gwtf.model.trainer import StageGrads, StageOptimizer, apply_steps, iteration_grads
+from gwtf.model.trainer import StageGrads, StageOptimizer, apply_steps, iteration_grads, take_steps
 from gwtf.protocol.base import Message
 from gwtf.protocol.faults import Fault
 from gwtf.protocol.kinds import ComputeKind, RecordName
@@ -292,12 +292,7 @@ def reference_stages(cfg: Config, dataset: TokenDataset, iterations: int,
                 pending = None
             stats, grads = iteration_grads(stages, opts, dataset, t, cfg.train)
             losses.append(stats.loss)
-            if not delay:
-                apply_steps(opts, t, grads)
-                continue
-            if pending is not None:
-                apply_steps(opts, t - 1, pending)
-            pending = grads
+            pending = take_steps(opts, t, grads, pending, delay)
         if pending is not None:
             apply_steps(opts, iterations - 1, pending)
     return [{k: v.detach().clone() for k, v in s.state_dict().items()} for s in stages], losses

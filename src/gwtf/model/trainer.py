@@ -238,6 +238,19 @@ def apply_steps(optimizers: Sequence[StageOptimizer], iteration: int, grads: Sta
     return [opt.step(iteration, g) for opt, g in zip(optimizers, grads, strict=True)]
 
 
+def take_steps(optimizers: Sequence[StageOptimizer], t: int, grads: StageGrads, pending: StageGrads | None,
+               delay: int) -> StageGrads | None:
+    """The steps iteration t takes once its reduced gradients `grads` are known
+    (`train.update_delay`, docs/protocol.md): with delay 0 step t now; with 1 step t-1 with
+    `pending` (none in the first iteration) and return `grads`, step t's, still to come."""
+    if not delay:
+        apply_steps(optimizers, t, grads)
+        return None
+    if pending is not None:
+        apply_steps(optimizers, t - 1, pending)
+    return grads
+
+
 def grad_norm(grads: Sequence[Tensor]) -> float:
     """The joint L2 norm of `grads` (what `clip_grads_by_norm` returns, without clipping)."""
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
@@ -485,17 +498,10 @@ def train_local(
             last = completed == tc.iterations
             stats, grads = iteration_grads(stages, optimizers, dataset, t, tc, cfg.wire if tc.local_rounding else None,
                                            rounding)
-            if not tc.update_delay:
-                apply_steps(optimizers, t, grads)
-            else:
-                # train.update_delay 1 (docs/protocol.md): iteration t's passes ran on the weights
-                # of step t-2; step t-1 comes now, step t with the next iteration (or at the end)
-                if pending is not None:
-                    apply_steps(optimizers, t - 1, pending)
-                pending = grads
-                if last:
-                    apply_steps(optimizers, t, pending)
-                    pending = None
+            pending = take_steps(optimizers, t, grads, pending, tc.update_delay)
+            if last and pending is not None:  # the run ends on its last step
+                apply_steps(optimizers, t, pending)
+                pending = None
             dt = time.monotonic() - t_it
             row = _metrics_row(t, stats, metrics, elapsed0 + time.monotonic() - t0, dt, device)
             if t == 0 and start_loss is not None:
