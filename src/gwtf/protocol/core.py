@@ -85,9 +85,10 @@ class NodeCore(CoreState):
         if router is None and router_factory is None:
             router_rng = random.Random(rng.getrandbits(64))
 
-            def router_factory(info: PeerInfo) -> Router:
+            def default_factory(info: PeerInfo) -> Router:
                 return make_router(cfg.router, info, train, router_rng)
 
+            router_factory = default_factory
         if router is None:
             assert router_factory is not None
             # A joiner has no stage yet (-1): it routes nothing until `on_welcome` gives it one
@@ -102,6 +103,11 @@ class NodeCore(CoreState):
         self.router_factory = router_factory
         self._resends: dict[int, tuple[NodeId, Message]] = {}
         self._resend_seq = 0
+        self.init_parts()
+
+    def init_parts(self) -> None:
+        """A subclass's own parts and state (its `PARTS` beyond the core's), built last in
+        `__init__`: the one constructor signature stays the core's."""
 
     # Set by drivers that start a swarm of operator-placed nodes (the runtime: `--stage K`,
     # `runtime.start_members`); the simulator leaves both at their neutral defaults.
@@ -209,8 +215,8 @@ class NodeCore(CoreState):
     PARTS: ClassVar[dict[str, type]] = {"members": Membership, "coord": Coordinator, "agg": Aggregation, "plane": DataPlane}
     """The parts that are objects of their own (attribute name -> class): their `@handles`
     methods are dispatched to the object."""
-    _routes: dict[type, Route] = {}  # per concrete class: message class -> route (dispatch.routes_of)
-    _dispatch: dict[type, tuple[Any, Callable[[Any], Any] | None, Sender | None, Fence]] = {}
+    _routes: ClassVar[dict[type, Route]] = {}  # per concrete class: message class -> route (dispatch.routes_of)
+    _dispatch: ClassVar[dict[type, tuple[Any, Callable[[Any], Any] | None, Sender | None, Fence]]] = {}
     """... resolved once: (handler, the getter of its part or None for the core's own, rule, fence)"""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -68,7 +68,9 @@ class Termed(Protocol):
     term: int
 
 
-_MARK = "__gwtf_handles__"
+_MARKS: dict[object, tuple[tuple[type[Message], ...], Sender, Fence]] = {}
+"""Decorated handler -> its declaration. A table, not an attribute on the function: a method
+compiled by mypyc (`gwtf simulate --compiled`) takes no attributes."""
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -81,7 +83,7 @@ def handles(*classes: type[Message], sender: Sender, fence: Fence = Fence.NONE) 
                 raise TypeError(f"{c.__name__} is fenced ({fence.name}) but has no term field")
 
     def mark(fn: F) -> F:
-        setattr(fn, _MARK, (classes, sender, fence))
+        _MARKS[fn] = (classes, sender, fence)
         return fn
 
     return mark
@@ -94,7 +96,10 @@ def routes_of(cls: type, parts: Mapping[str, type] | None = None) -> dict[type, 
     for part, klass in [(name, k) for name, pcls in (parts or {}).items() for k in reversed(pcls.__mro__)] + \
             [("", k) for k in reversed(cls.__mro__)]:
         for name, fn in vars(klass).items():
-            mark = getattr(fn, _MARK, None)
+            try:
+                mark = _MARKS.get(fn)
+            except TypeError:  # an unhashable class attribute is no handler
+                continue
             if mark is None:
                 continue
             classes, sender, fence = mark

@@ -529,3 +529,23 @@ class Rollback(Message):
     term: int
     version: int
     lost_from: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMove(Message):
+    """Leader to a relay: leave your stage and serve `stage` (gwtf's rebalancing,
+    `protocol.rebalance`)."""
+
+    TYPE = "mem.move"
+    term: int
+    stage: int
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwarmMove(StageMove):
+    """Leader to a relay: leave your stage and serve `stage` (SWARM's adaptive rebalancing,
+    `protocol.swarm`)."""
+
+    TYPE = "swarm.move"

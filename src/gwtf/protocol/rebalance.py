@@ -1,11 +1,13 @@
 """Moving a relay between stages (shared by gwtf and the SWARM baseline) and gwtf's move rule.
 
-Owns: `StageMove` (leader to relay: serve another stage), `StageMover` (the move mechanics
+Owns: `StageMover` (the move mechanics
 both systems use: the leader's period gate and link-based transfer estimates, the relay's
 announced leave + rejoin through the ordinary join path, which downloads the target stage's
 weights + optimizer state, `stage_state_bytes`, before serving), `plan_gwtf_move` (gwtf's
 decision rule, pure) and `GwtfCore` (NodeCore with gwtf's rebalancing, used by the simulator's
-"gwtf" system). The SWARM decision rule stays in `protocol/swarm.py`.
+"gwtf" system). The SWARM decision rule stays in `protocol/swarm.py`; the messages that move a
+relay (`StageMove`, SWARM's `SwarmMove`) are in `protocol/messages.py` with the others (plain
+dataclasses there: this module may be compiled, `gwtf simulate --compiled`).
 
 gwtf's rule (PAPER.md 3.5 and 5, "Joining"): per relay stage, the estimated time per microbatch
 is 1 / (sum over its replicas of 1 / (compute_s + the replica's network time per microbatch)),
@@ -26,14 +28,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from gwtf.protocol.base import Message, NodeId, message
+from gwtf.protocol.base import NodeId
 from gwtf.protocol.core import NodeCore
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import Effect, Policy
-from gwtf.protocol.messages import LeaveNotice, record
+from gwtf.protocol.messages import LeaveNotice, StageMove, record
 from gwtf.protocol.router import LinkEstimate, PeerInfo
 
 __all__ = ["GWTF_REBALANCE_POLICY", "GwtfCore", "StageMove", "StageMover", "plan_gwtf_move", "stage_times_s"]
@@ -41,16 +43,6 @@ __all__ = ["GWTF_REBALANCE_POLICY", "GwtfCore", "StageMove", "StageMover", "plan
 GWTF_REBALANCE_POLICY = Policy(name="gwtf", rebalance_every=1)
 """gwtf's churn policy with the rebalance hook run at every iteration start (GwtfCore acts only
 every `rebalance_period_s`)."""
-
-
-@message
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageMove(Message):
-    """Leader to a relay: leave your stage and serve `stage` (gwtf's rebalancing)."""
-
-    TYPE = "mem.move"
-    term: int
-    stage: int
 
 
 class StageMover:
@@ -234,8 +226,7 @@ class GwtfCore(NodeCore):
 
     PARTS: ClassVar[dict[str, type]] = {**NodeCore.PARTS, "mover": StageMover}
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def init_parts(self) -> None:
         self.mover = StageMover(self)
         self.iter_started_s = -1.0
         self.iteration_s = 0.0

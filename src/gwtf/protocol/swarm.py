@@ -30,17 +30,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from gwtf.config import ProtocolConfig
-from gwtf.protocol.base import Message, NodeId, message
+from gwtf.protocol.base import Message, NodeId
 from gwtf.protocol.core import NodeCore
 from gwtf.protocol.dispatch import Fence, Sender, handles
 from gwtf.protocol.kinds import RecordName
 from gwtf.protocol.ledger import Effect, Policy, TrainParams
-from gwtf.protocol.messages import record
-from gwtf.protocol.rebalance import StageMove, StageMover
+from gwtf.protocol.messages import SwarmMove, record
+from gwtf.protocol.rebalance import StageMover
 from gwtf.protocol.router import FlowSlot, LinkEstimate, PeerInfo
 
 __all__ = ["SWARM_POLICY", "SwarmCore", "SwarmMove", "SwarmRouter", "plan_move", "stage_throughputs"]
@@ -48,14 +48,6 @@ __all__ = ["SWARM_POLICY", "SwarmCore", "SwarmMove", "SwarmRouter", "plan_move",
 SWARM_POLICY = Policy(name="swarm", backward_recovery="restart", rebalance_every=1)
 """Backward crash: restart from the data holder; the rebalance hook runs at every iteration start
 (SwarmCore itself only acts every `swarm_rebalance_period_s` of time)."""
-
-
-@message
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SwarmMove(StageMove):
-    """Leader to a relay: leave your stage and serve `stage` (SWARM's adaptive rebalancing)."""
-
-    TYPE = "swarm.move"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,8 +232,7 @@ class SwarmCore(NodeCore):
 
     PARTS: ClassVar[dict[str, type]] = {**NodeCore.PARTS, "mover": StageMover}
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def init_parts(self) -> None:
         self.mover = StageMover(self)
 
     # -- leader side -------------------------------------------------------------------------
