@@ -4,7 +4,7 @@ or against another revision (`--against`, the speed guard of issue 45).
 Usage: `python benchmarks/sim_scale.py [SCENARIO.toml | --scenario configs/scenarios/scale-1k.toml]
 [--iterations 2] [--seed 1] [--variants scenario,fixed-tick,greedy,view-32,all-peers] [--set K=V ...]`
 or `python benchmarks/sim_scale.py SCENARIO.toml --against REV [--seed 0] [--systems gwtf]
-[--repeat 2] [--iterations N] [--set K=V ...]`.
+[--repeat 2] [--iterations N] [--set K=V ...] [--compiled]`.
 
 `--against REV` (docs/simulator.md "Guarding speed"): `gwtf simulate SCENARIO.toml --no-progress`
 as a user runs it (each run in its own process, output into a temporary folder) on the working
@@ -14,6 +14,9 @@ seconds of the whole command (start-up and plots included), the peak RSS of its 
 (`os.wait4`'s ru_maxrss), and per system the simulator's events, the virtual training time and
 the iterations of summary.json; and the ratios REV / tree (wall > 1: the working tree is faster;
 events != 1: the change runs a different number of events). A bad REV or scenario: one line, exit 2.
+`--compiled`: the working tree's runs take `gwtf simulate --compiled` (`gwtf.sim.compiled`; the
+build is made first, untimed); REV runs its Python source as before. `--tree-set K=V`: an
+override for the working tree's runs only (a key REV does not have).
 
 Without `--against`, each variant runs the same scenario and seed in its own process (so peak
 RSS is its own) with a few overrides:
@@ -170,10 +173,17 @@ def against(args: argparse.Namespace, scenario: Path) -> None:
         if not (tree_dir / "src" / "gwtf" / "commands" / "simulate.py").exists():
             raise Refused(f"--against {args.against}: that revision has no `gwtf simulate` (src/gwtf/commands/simulate.py)")
         tree, rev = Side("working tree", ROOT / "src"), Side(f"{args.against} ({commit[:7]})", tree_dir / "src")
+        tree_args = [*cmd_args, *(a for kv in args.tree_overrides for a in ("--set", kv))]
+        if args.compiled:  # the working tree on its compiled core, built before any run is timed
+            tree.label, tree_args = "working tree, --compiled", [*tree_args, "--compiled"]
+            build = subprocess.run([sys.executable, "-c", "from gwtf.sim.compiled import ensure_build; ensure_build()"],
+                                   env=dict(os.environ, PYTHONPATH=str(tree.src)), capture_output=True, text=True)
+            if build.returncode != 0:
+                raise Refused(f"--compiled: {(build.stderr.strip().splitlines() or ['the build failed'])[-1]}")
         for k in range(args.repeat):
             for side in (tree, rev):
                 out = tmp / f"out-{'tree' if side is tree else 'rev'}-{k}"
-                simulate_once(side, cmd_args, out, tmp)
+                simulate_once(side, tree_args if side is tree else cmd_args, out, tmp)
                 print(f"  round {k + 1}/{args.repeat}, {side.label}: {side.walls[-1]:.2f} s wall", file=sys.stderr)
     finally:
         if added:
@@ -192,9 +202,10 @@ def _ratio(new: float | None, old: float | None, fmt: str = ".2f") -> str:
 
 def print_against(args: argparse.Namespace, scenario: Path, seed: int, sets: list[str], tree: Side, rev: Side) -> None:
     where = f", --set {' '.join(sets)}" if sets else ""
+    where += f"; working tree also --set {' '.join(args.tree_overrides)}" if args.tree_overrides else ""
     print(f"\n{scenario.name}, seed {seed}, --systems {args.systems}{where}; {args.repeat} round(s), "
           f"alternating working tree / {rev.label}\n")
-    print(f"| metric | working tree | {rev.label} | {args.against} / tree |")
+    print(f"| metric | {tree.label} | {rev.label} | {args.against} / tree |")
     print("|---|---|---|---|")
     med = [statistics.median(s.walls) for s in (tree, rev)]
     each = [" ".join(f"{w:.2f}" for w in s.walls) for s in (tree, rev)]
@@ -232,6 +243,11 @@ def main() -> int:
     ap.add_argument("--against", metavar="REV", default="",
                     help="run `gwtf simulate` on the working tree and on REV, alternating, side by side")
     ap.add_argument("--systems", default="gwtf", help="--against: `gwtf simulate --systems` (default gwtf)")
+    ap.add_argument("--tree-set", dest="tree_overrides", metavar="K=V", action="append", default=[],
+                    help="--against: an override for the working tree only (a key REV does not know, e.g. "
+                         "wire.stage_gradients=\"fp32\" to pin today's defaults to an older revision's)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="--against: the working tree runs `gwtf simulate --compiled` (its build made before timing)")
     ap.add_argument("--repeat", type=int, default=2, help="--against: rounds of (tree, REV) (default 2)")
     ap.add_argument("--set", dest="overrides", metavar="K=V", action="append", default=[],
                     help="scenario override (repeatable), as `gwtf simulate --set`")

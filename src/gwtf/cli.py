@@ -151,6 +151,7 @@ def non_negative_s(value: float, flag: str) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # as given (`simulate --compiled` runs it again)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
