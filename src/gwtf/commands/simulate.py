@@ -36,6 +36,7 @@ from gwtf.sim.simulator import Simulator
 __all__ = ["add_arguments", "run"]
 
 DEFAULT_SYSTEMS = "gwtf,swarm"  # a comparison unless --systems names one
+TIP_NODES = 1000  # from this size on, a run without --compiled suggests it (one line on stderr)
 
 # (summary key, label with its unit, how the value is shown)
 TABLE = (
@@ -108,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
         if not compiled.active():
             compiled.reexec(getattr(args, "_argv", sys.argv[1:]))  # the same command on the compiled build; does not return
         print(f"gwtf: running the compiled core (build {os.environ.get(compiled.ENV_KEY, '?')})", file=sys.stderr)
+    elif sc.nodes.count >= TIP_NODES:
+        print(f"gwtf: tip: --compiled runs {sc.nodes.count:,} nodes 1.2-1.3x faster, with the same results "
+              f"(docs/simulator.md, \"The compiled core\")", file=sys.stderr)
     out = out_folder(args.out or f"runs/sim-{sc.name}-s{args.seed}")
     built = build(sc, args.seed)  # same nodes for every system
     summaries: dict[str, dict[str, Any]] = {}
