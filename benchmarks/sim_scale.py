@@ -14,7 +14,7 @@ seconds of the whole command (start-up and plots included), the peak RSS of its 
 (`os.wait4`'s ru_maxrss), and per system the simulator's events, the virtual training time and
 the iterations of summary.json; and the ratios REV / tree (wall > 1: the working tree is faster;
 events != 1: the change runs a different number of events). A bad REV or scenario: one line, exit 2.
-`--compiled`: the working tree's runs take `gwtf simulate --compiled` (`gwtf.sim.compiled`; the
+`--compiled`: the working tree's runs take `gwtf simulate --compiled` (`gwtf.commands.compiled`; the
 build is made first, untimed); REV runs its Python source as before. `--tree-set K=V`: an
 override for the working tree's runs only (a key REV does not have).
 
@@ -176,7 +176,7 @@ def against(args: argparse.Namespace, scenario: Path) -> None:
         tree_args = [*cmd_args, *(a for kv in args.tree_overrides for a in ("--set", kv))]
         if args.compiled:  # the working tree on its compiled core, built before any run is timed
             tree.label, tree_args = "working tree, --compiled", [*tree_args, "--compiled"]
-            build = subprocess.run([sys.executable, "-c", "from gwtf.sim.compiled import ensure_build; ensure_build()"],
+            build = subprocess.run([sys.executable, "-c", "from gwtf.commands.compiled import ensure_build; ensure_build()"],
                                    env=dict(os.environ, PYTHONPATH=str(tree.src)), capture_output=True, text=True)
             if build.returncode != 0:
                 raise Refused(f"--compiled: {(build.stderr.strip().splitlines() or ['the build failed'])[-1]}")

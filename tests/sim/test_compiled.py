@@ -1,4 +1,4 @@
-"""The compiled simulator core (`gwtf simulate --compiled`, `gwtf.sim.compiled`).
+"""The compiled simulator core (`gwtf simulate --compiled`, `gwtf.commands.compiled`).
 
 - A build serves only the source it was built from: the key changes with any file's bytes, a
   new file or a renamed one (cheap, default suite).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gwtf.sim import compiled
+from gwtf.commands import compiled
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ others) and prints one column per system, every row labelled with its unit; besi
 time per iteration the table and summary.json give its physical lower bound (`sim.bound`).
 Scenario knobs are `--set section.key=value` overrides, not flags. `--compiled` changes no
 result, only the speed: the same command runs again on the mypyc build of the same source
-(`gwtf.sim.compiled`).
+(`gwtf.commands.compiled`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from gwtf.cli import out_folder
+from gwtf.commands import compiled
 from gwtf.config import dump_toml
 from gwtf.errors import UserError
 from gwtf.protocol.faults import parse_fault
 from gwtf.protocol.systems import get_system
-from gwtf.sim import compiled
 from gwtf.sim.plots import RunPlotData, plot_data, write_plots
 from gwtf.sim.scenario import ScenarioConfig, build, load_scenario
 from gwtf.sim.simulator import Simulator

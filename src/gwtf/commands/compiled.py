@@ -101,6 +101,8 @@ def active() -> bool:
 def _check_toolchain() -> None:
     if importlib.util.find_spec("mypyc") is None:
         raise UserError("--compiled needs mypyc, which ships with mypy: pip install mypy (or gwtf's test extra)")
+    if importlib.util.find_spec("setuptools") is None:  # mypyc builds its extension through it
+        raise UserError("--compiled needs setuptools (mypyc builds with it): pip install setuptools")
     cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(cc) is None:
         raise UserError(f"--compiled needs a C compiler: {cc!r} is not on PATH")
