@@ -9,13 +9,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -67,22 +65,13 @@ def test_compiled_without_mypyc_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
-def _toolchain() -> str:
-    if importlib.util.find_spec("mypyc") is None:
-        return "mypyc is not installed"
-    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(cc) is None:
-        return f"no C compiler ({cc})"
-    return ""
-
-
 SCENARIO = ["configs/scenarios/paper-gpt-high.toml", "--seed", "4242", "--set", "train.iterations=10",
             "--set", "churn.crash_rate_per_hour=15.0", "--no-progress"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(bool(_toolchain()), reason=_toolchain() or "toolchain present")
+@pytest.mark.skipif(bool(compiled.missing_toolchain()), reason=compiled.missing_toolchain() or "toolchain present")
 def test_a_compiled_run_equals_the_python_run_byte_for_byte(tmp_path: Path) -> None:
     env = dict(os.environ, GWTF_CACHE_DIR=str(tmp_path / "cache"), MPLBACKEND="Agg")
     env.pop(compiled.ENV_KEY, None)

@@ -4,7 +4,8 @@ Owns: `HOT_MODULES` (what is compiled: the simulator's driver, the node core's p
 flow router), `build_key()` (a digest of every source file of the package, the interpreter and
 the compiler: a build serves only the exact source it was built from), `ensure_build()` (a copy
 of the package in the cache folder with the hot modules compiled in place, built once per key),
-`active()` (whether this process runs the compiled modules) and `reexec(argv)` (`gwtf simulate`
+`missing_toolchain()` (what a build would lack), `active()` (whether this process runs the
+compiled modules) and `reexec(argv)` (`gwtf simulate`
 again, in a fresh interpreter with the build first on its path).
 
 Why: a simulated event costs ~20 us of Python, spread thin over message dispatch, routing and the
@@ -38,7 +39,7 @@ from pathlib import Path
 import gwtf
 from gwtf.errors import UserError
 
-__all__ = ["ENV_KEY", "HOT_MODULES", "active", "build_key", "cache_dir", "ensure_build", "reexec"]
+__all__ = ["ENV_KEY", "HOT_MODULES", "active", "build_key", "cache_dir", "ensure_build", "missing_toolchain", "reexec"]
 
 HOT_MODULES: tuple[str, ...] = (
     "sim/engine.py", "sim/models.py", "sim/simulator.py",
@@ -98,26 +99,31 @@ def active() -> bool:
     return any(str(core.__file__).endswith(s) for s in importlib.machinery.EXTENSION_SUFFIXES)
 
 
-def _check_toolchain() -> None:
+def missing_toolchain() -> str:
+    """What this machine lacks to build the compiled core, as `--compiled`'s error says it; ""
+    when nothing is missing."""
     if importlib.util.find_spec("mypyc") is None:
-        raise UserError("--compiled needs mypyc, which ships with mypy: pip install mypy (or gwtf's test extra)")
+        return "--compiled needs mypyc, which ships with mypy: pip install mypy (or gwtf's test extra)"
     if importlib.util.find_spec("setuptools") is None:  # mypyc builds its extension through it
-        raise UserError("--compiled needs setuptools (mypyc builds with it): pip install setuptools")
+        return "--compiled needs setuptools (mypyc builds with it): pip install setuptools"
     cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(cc) is None:
-        raise UserError(f"--compiled needs a C compiler: {cc!r} is not on PATH")
+        return f"--compiled needs a C compiler: {cc!r} is not on PATH"
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
-        raise UserError("--compiled needs the Python headers (Python.h; e.g. the python3.11-dev package)")
+        return "--compiled needs the Python headers (Python.h; e.g. the python3.11-dev package)"
+    return ""
 
 
-def ensure_build(say: bool = True) -> Path:
+def ensure_build() -> Path:
     """The build folder for this source (built now if missing): put it first on PYTHONPATH."""
     key = build_key()
     root = cache_dir() / "compiled"
     dest = root / key
     if (dest / _MARKER).exists():
         return dest
-    _check_toolchain()
+    missing = missing_toolchain()
+    if missing:
+        raise UserError(missing)
     work = root / f"{key}.tmp-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -127,9 +133,8 @@ def ensure_build(say: bool = True) -> Path:
         raise UserError(f"--compiled: cannot write the build folder {root} ({exc.strerror or exc}); "
                         f"set GWTF_CACHE_DIR to a writable folder") from None
     log = root / f"{key}.build.log"
-    if say:
-        print(f"gwtf: compiling the simulator core with mypyc (once for this source, about 2 minutes; "
-              f"log {log})", file=sys.stderr, flush=True)
+    print(f"gwtf: compiling the simulator core with mypyc (once for this source, about 2 minutes; "
+          f"log {log})", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "mypyc", *(f"gwtf/{m}" for m in HOT_MODULES)]
     with open(log, "w", encoding="utf-8") as fh:
         try:

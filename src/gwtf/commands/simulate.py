@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_SYSTEMS}, the comparison; one name, e.g. --systems gwtf, runs only that)")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
     parser.add_argument("--compiled", action="store_true",
-                        help="run the simulator on its mypyc-compiled core (~1.5x faster, the same results byte for "
+                        help="run the simulator on its mypyc-compiled core (1.2-1.5x faster, the same results byte for "
                              "byte; built once per source version, ~2 minutes; needs mypy and a C compiler)")
     parser.add_argument("--fault", dest="faults", metavar="SPEC", action="append", default=[],
                         help="add one scripted fault (repeatable), e.g. crash:t=30:node=n3 or "
